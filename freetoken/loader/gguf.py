@@ -1,0 +1,172 @@
+"""GGUF file -> (ModelConfig, HF-named fp32 weights), through the `gguf` reader package.
+
+Every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32; the model casts to its dtype. Not here: the
+tokenizer (freetoken/tokenizer.py reads the same file's vocabulary).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from freetoken.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> our arch name. Mistral GGUFs are written as "llama".
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `permute`).
+
+    The converter stores each head's rows interleaved for llama.cpp's adjacent-pair RoPE; HF's
+    rotate_half RoPE wants the two halves of the head contiguous. w: [num_heads * hd, ...].
+    """
+    head_dim = w.shape[0] // num_heads
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def read_config(reader) -> ModelConfig:
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; FreeToken supports "
+                         f"{sorted(GGUF_ARCHS)}")
+    a = gguf_arch
+
+    def req(key: str):
+        value = _field(reader, f"{a}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {a}.{key}")
+        return value
+
+    num_heads = int(req("attention.head_count"))
+    hidden = int(req("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    tok_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab_size = _field(reader, f"{a}.vocab_size")
+    if vocab_size is None:
+        vocab_size = int(tok_embd.shape[1])   # gguf shapes are [ne0=hidden, ne1=vocab]
+    head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
+    rope_scaling = None
+    scaling_type = _field(reader, f"{a}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear",
+                        "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = [int(eos)] if eos is not None else []
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        arch=GGUF_ARCHS[gguf_arch],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=int(req("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(req("context_length")),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+    )
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read metadata and dequantise every tensor. Weights come back fp32, keyed by HF names."""
+    import gguf  # heavy-ish import, only when a GGUF is actually loaded
+
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader)
+    # NOTE: only the llama converter permutes q/k (for llama.cpp's RoPE layout); qwen2/qwen3
+    # GGUFs keep HF's row order (llama.cpp uses NEOX-style RoPE for them).
+    permute = config.arch in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    tensors = list(reader.tensors)
+    start = time.perf_counter()
+    for i, t in enumerate(tensors):
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name in ("rope_freqs.weight",):
+                raise ValueError(f"GGUF tensor {t.name!r} (llama3 rope scaling) is not supported")
+            logger.debug("skipping GGUF tensor %s", t.name)
+            continue
+        try:
+            # dequantize returns float32 [ne1, ne0] = torch [out, in] layout
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
+                             f"which the gguf package cannot dequantise") from exc
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = reverse_permute(array, config.num_heads)
+        elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = reverse_permute(array, config.num_kv_heads)
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, copy=True, order="C")   # F32 tensors are read-only memmaps
+        weights[name] = torch.from_numpy(array)
+        if progress and (i + 1 == len(tensors) or i % 16 == 0):
+            print(f"\rdequantising {i + 1}/{len(tensors)} tensors "
+                  f"({time.perf_counter() - start:.1f}s)", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr, flush=True)
+    return config, weights

@@ -1,0 +1,228 @@
+"""The Llama-shaped decoder forward (Llama 1-3, SmolLM, Mistral, Qwen2, Qwen3) in plain torch.
+
+embed -> [RMSNorm, q/k/v proj (+bias, +q/k norm), RoPE, paged GQA attention, o proj, RMSNorm,
+SwiGLU MLP] x L -> final RMSNorm -> lm_head. Numerics follow Hugging Face transformers (RMSNorm in
+fp32, rotate_half RoPE with cos/sin computed in fp32), so logits match it.
+Weights arrive as a dict keyed by HF parameter names (see `load_weights`); q/k/v and gate/up are
+fused into one matmul each. The module holds no per-request state: positions, KV slots and the
+block tables come in the ForwardBatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.batch import ForwardBatch, KVCache
+from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
+from freetoken.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size]; normalised in fp32, cast back before the weight (as HF does).
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with linear / llama3 scaling as in HF."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta
+                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths divided by `factor`, short ones kept, smooth in between.
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, 1, hd]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)       # [T, nh, hd]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, kvh, hd]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, hd]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(batch, kv) -> hidden [N, H] at batch.logits_indices; compute_logits -> [N, V] fp32.
+
+    Contract (docs/architecture.md): forward writes K/V of all T tokens at batch.slot_mapping into
+    kv.k[layer] / kv.v[layer] and their final-norm hidden states into kv.hidden[slot_mapping].
+    Sequence s attends causally over its whole context 0..seq_lens[s]-1, read from its blocks, so
+    the prefix may come from an earlier step or another sequence (prefix cache).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions: [T] int64 -> cos, sin: [T, 1, hd] in `dtype` (computed in fp32, as HF does)
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, hd]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        meta = build_attention_metadata(batch, kv.block_size, self.config.sliding_window)
+        x = self.embed_tokens(batch.input_ids)                                # [T, H]
+        cos, sin = self.rope(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
+        x = self.norm(x)                                                      # [T, H]
+        kv.hidden[batch.slot_mapping] = x.to(kv.hidden.dtype)
+        return x[batch.logits_indices]                                        # [N, H]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] fp32
+        return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """A KVCache shaped for this model, on its device and in its dtype."""
+        c, w = self.config, self.embed_tokens.weight
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                       c.hidden_size, w.dtype, w.device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) in, fusing q/k/v
+        and gate/up. Raises ValueError naming any missing, unexpected or misshapen tensor."""
+        weights = dict(weights)
+        if self.lm_head is None:
+            weights.pop("lm_head.weight", None)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights.pop(name)
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_ln")
+            put(layer.post_attention_layernorm.weight,
+                take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            put(attn.qkv_proj.weight, torch.cat(qkv, 0), p + "self_attn.qkv_proj.weight")
+            if attn.qkv_proj.bias is not None:
+                qkv_b = [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+                put(attn.qkv_proj.bias, torch.cat(qkv_b, 0), p + "self_attn.qkv_proj.bias")
+            put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
+            if attn.q_norm is not None:
+                put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "q_norm")
+                put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "k_norm")
+            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            put(mlp.gate_up_proj.weight, torch.cat(gate_up, 0), p + "mlp.gate_up_proj.weight")
+            put(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
+            if mlp.down_proj.bias is not None:
+                gate_up_b = [take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]
+                put(mlp.gate_up_proj.bias, torch.cat(gate_up_b, 0), p + "mlp.gate_up_proj.bias")
+                put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+        leftover = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
+        if leftover:
+            raise ValueError(f"checkpoint has unexpected tensors: {leftover[:5]}"
+                             + (f" (+{len(leftover) - 5} more)" if len(leftover) > 5 else ""))
