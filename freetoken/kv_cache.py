@@ -178,9 +178,8 @@ class BlockPool:
         NOTE: the hit is capped at len(token_ids) - 1 tokens, rounded down to full blocks, so at
         least the last token is computed and its logits exist (the max_tokens=1 classify case).
         `block_hashes` (the sequence's own list) is extended with the hashes computed; `cursor`
-        is set to the end of the hit. Counts queries and hits for metrics.
+        is set to the end of the hit. The caller records the admission with record_query.
         """
-        self.num_query_tokens += len(token_ids)
         cursor.num_blocks, cursor.parent, cursor.broken = 0, None, False
         if not self.enable_prefix_cache or len(token_ids) < 2:
             return []
@@ -199,8 +198,12 @@ class BlockPool:
             hits.append(b)
             parent = (b, block.gen)
         cursor.num_blocks, cursor.parent = len(hits), parent
-        self.num_hit_tokens += len(hits) * bs
         return hits
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Metrics: one admission looked up num_query_tokens and was served num_hit_tokens."""
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def cache_blocks(self, block_table: Sequence[int], token_ids: Sequence[int],
                      block_hashes: list[int], cursor: ChainCursor, num_computed_tokens: int) -> None:

@@ -34,6 +34,7 @@ def admit(pool: BlockPool, seq: Seq) -> None:
     pool.touch(hits)
     seq.block_table = hits + pool.allocate(need)
     seq.num_cached = len(hits) * BS
+    pool.record_query(len(seq.token_ids), seq.num_cached)
     pool.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.cursor,
                       len(seq.token_ids))
 

@@ -1,0 +1,206 @@
+"""The scheduler: which sequences compute how many tokens this step, and what follows from it.
+
+schedule() decides (plain data out: SchedulerOutput); the runner does; update() applies the
+runner's results (append tokens, index full blocks, decide finished, free KV).
+
+Policy, decided once:
+  * Running sequences first, oldest first: decodes (1 token) and the next chunk of a chunked
+    prefill share the per-step token budget (max_num_batched_tokens). Then waiting sequences are
+    admitted FCFS while budget, max_num_seqs and free blocks allow; a prefill larger than the
+    remaining budget is chunked.
+  * Admission: prefix-cache lookup (capped at len-1 tokens), then blocks for the scheduled chunk
+    only. When the head of the queue does not fit, admission is held (no skipping ahead, so no
+    starvation) until blocks free up.
+  * Pool full while growing a running sequence: preempt the newest running sequence (free its
+    blocks, reset it to WAITING at the head of the queue) and retry; recompute later, mostly
+    from the prefix cache, as its full blocks stay indexed. The oldest sequence always makes
+    progress, and Engine.submit refuses sequences longer than the pool, so a lone sequence
+    always fits: no deadlock, no dropped request. No admission in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from freetoken.kv_cache import BlockPool
+from freetoken.sequence import Sequence, SequenceStatus, TokenLogprob
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int             # num_computed_tokens before this step
+    num_new_tokens: int    # tokens start:start+num_new_tokens are computed this step
+    sample: bool           # the chunk reaches the end: sample the next token
+    # prompt logprobs: logits rows needed at positions [pl_start, pl_end); those below `start`
+    # are cached positions (their hidden state is read from KVCache.hidden)
+    pl_start: int = 0
+    pl_end: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner produced for one scheduled sequence."""
+    token_id: int | None = None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for [pl_start, pl_end)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Seq[int] = ()):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.running):
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self._release(seq)
+                seq.finish("abort")
+                return seq
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish("abort")
+                return seq
+        return None
+
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Sequence]:
+        out = []
+        for seq in self.running + list(self.waiting):
+            self._release(seq)
+            seq.finish(reason, error=error)
+            out.append(seq)
+        self.running.clear()
+        self.waiting.clear()
+        return out
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+        seq.block_table = []
+
+    # -- deciding ---------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def _make(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + n
+        sample = end == seq.num_tokens and seq.params.max_tokens > 0
+        item = ScheduledSeq(seq, start, n, sample)
+        if seq.wants_prompt_logprobs:
+            # logits at position q give the logprob of prompt token q+1
+            item.pl_start = seq.num_prompt_logprobs_done
+            item.pl_end = min(end, seq.num_prompt_tokens - 1)
+            if item.pl_end < item.pl_start:
+                item.pl_end = item.pl_start
+        return item
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.reset_kv()
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, n)
+            while not self.pool.can_allocate(need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            seq.block_table += self.pool.allocate(need)
+            out.scheduled.append(self._make(seq, n))
+            budget -= n
+            i += 1
+
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.pool.lookup(seq.token_ids, seq.block_hashes, seq.cursor)
+            num_cached = len(hits) * self.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            need = -(-(num_cached + n) // self.block_size) - len(hits)
+            if not self.pool.can_allocate(need, hits):
+                break  # hold admission until blocks free up
+            self.pool.touch(hits)
+            seq.block_table = hits + self.pool.allocate(need)
+            seq.num_computed_tokens = num_cached
+            self.pool.record_query(seq.num_tokens, num_cached)
+            if not seq.admitted:
+                seq.admitted = True
+                seq.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._make(seq, n))
+            budget -= n
+        return out
+
+    # -- applying ---------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, results: Seq[StepResult]) -> list[Sequence]:
+        """Apply one step's results; returns the sequences that have a delta to post."""
+        to_post: list[Sequence] = []
+        for item, res in zip(out.scheduled, results, strict=True):
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.cursor,
+                                   seq.num_computed_tokens)
+            if res.prompt_logprobs and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(res.prompt_logprobs)
+            if item.sample:
+                if res.token_id is None:
+                    raise RuntimeError(f"runner returned no token for {seq.request_id}")
+                seq.append_token(res.token_id, res.logprob, self.eos_token_ids,
+                                 self.max_model_len)
+                to_post.append(seq)
+            elif seq.check_prefill_only():
+                to_post.append(seq)
+            if seq.is_finished:
+                self.running.remove(seq)
+                self._release(seq)
+        return to_post
