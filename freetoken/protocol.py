@@ -1,0 +1,810 @@
+"""The wire protocol: request models, every refusal of SPEC.md, and response/chunk builders.
+
+What it is for: turning a JSON body into prompt id lists plus `SamplingParams` (or an
+`InvalidRequest` whose `param` names the field and position), and turning engine `RequestOutput`
+deltas into OpenAI-shaped dicts. Pure functions and plain data: no I/O, no engine, no HTTP.
+What it is not: the HTTP edge (server.py renders errors and streams bytes).
+
+Two validation layers (docs/architecture.md section 5): pydantic v2 models, strict (a bool or a
+float is never an int), `extra="forbid"`; then checks against the model (`EngineLimits`: vocab
+size, context length, logprobs cap) in `parse_completion` / `parse_chat`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+
+from freetoken.errors import ContextTooLong, InvalidRequest
+from freetoken.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_STOP = 32
+
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS_SCHEMA,
+    {"type": "array", "items": _TOKEN_IDS_SCHEMA}]}
+_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                          {"type": "null"}]}
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}},
+    {"type": "null"}]}
+
+
+def _schema_any(schema: dict, description: str | None = None):
+    return Annotated[Any, WithJsonSchema(schema), Field(description=description)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: Literal[False] | None = False
+
+
+# ------------------------------------------------------------------------------------------
+# Request models. Fields marked "neutral only" are accepted with their neutral value (common
+# clients send defaults) and refused with "X is not supported" otherwise; see _UNSUPPORTED.
+# ------------------------------------------------------------------------------------------
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: the whole vocabulary")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: _schema_any(_STOP_SCHEMA) = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # neutral only
+    best_of: int | None = Field(None, description="neutral only: null or 1")
+    use_beam_search: bool | None = Field(None, description="neutral only: false")
+    length_penalty: float | None = Field(None, description="neutral only: 1.0")
+    response_format: dict | None = Field(None, description='neutral only: {"type": "text"}')
+    structured_outputs: Any = Field(None, description="neutral only: null")
+    guided_json: Any = Field(None, description="neutral only: null")
+    guided_regex: Any = Field(None, description="neutral only: null")
+    guided_choice: Any = Field(None, description="neutral only: null")
+    guided_grammar: Any = Field(None, description="neutral only: null")
+    guided_decoding_backend: Any = Field(None, description="neutral only: null")
+    guided_whitespace_pattern: Any = Field(None, description="neutral only: null")
+    truncate_prompt_tokens: int | None = Field(None, description="neutral only: null")
+    bad_words: list[str] | None = Field(None, description="neutral only: null or []")
+    logits_processors: Any = Field(None, description="neutral only: null or []")
+    spaces_between_special_tokens: bool | None = Field(None, description="neutral only: true")
+    priority: int | None = Field(None, description="neutral only: 0")
+    cache_salt: Any = Field(None, description="neutral only: null")
+    return_token_ids: bool | None = Field(None, description="neutral only: false")
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions (SPEC.md)."""
+    prompt: _schema_any(_PROMPT_SCHEMA, "str, list[str], list[int] or list[list[int]]")
+    max_tokens: int | None = Field(16, ge=0, description="default 16; 0 only with echo")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    add_special_tokens: bool = True
+    suffix: str | None = Field(None, description="neutral only: null or empty")
+    prompt_embeds: Any = Field(None, description="neutral only: null")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: _schema_any(_CONTENT_SCHEMA) = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions (SPEC.md)."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    continue_final_message: bool | None = Field(None, description="neutral only: false")
+    chat_template: str | None = Field(None, description="neutral only: null")
+    chat_template_kwargs: dict | None = Field(None, description="neutral only: null or {}")
+    tools: list | None = Field(None, description="neutral only: null or []")
+    tool_choice: Any = Field(None, description='neutral only: null or "none"')
+    parallel_tool_calls: bool | None = None
+    documents: Any = Field(None, description="neutral only: null")
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: either `prompt` or `messages`."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+_UNSUPPORTED: dict[str, tuple] = {
+    # field: neutral values
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []), "logits_processors": (None, []),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+    "cache_salt": (None,), "return_token_ids": (None, False),
+    "suffix": (None, ""), "prompt_embeds": (None,),
+    "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "documents": (None,),
+}
+# Sampling fields whose neutral value is accepted even if SamplingParams lacks them.
+_NEUTRAL_SAMPLING = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                     "min_p": 0.0, "min_tokens": 0}
+_SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+# ------------------------------------------------------------------------------------------
+# Validation helpers
+# ------------------------------------------------------------------------------------------
+
+def loc_to_param(loc: Sequence[Any]) -> str:
+    """("prompt", 1, 7) -> "prompt[1][7]"; ("logit_bias", "5") -> "logit_bias.5"."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validate_model(cls: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded JSON body against `cls`; the first error becomes an InvalidRequest."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = loc_to_param(err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            raise InvalidRequest(f"Unrecognized request argument supplied: {param}",
+                                 param=param) from None
+        if err["type"] == "missing":
+            raise InvalidRequest(f"{param} is required", param=param) from None
+        raise InvalidRequest(f"{param}: {err['msg']}", param=param) from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            raise InvalidRequest(f"{where}[{i}] is not an integer token id", param=f"{where}[{i}]")
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(
+                f"{where}[{i}] = {t} is outside the vocabulary (0..{vocab_size - 1})",
+                param=f"{where}[{i}]")
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    text: str | None   # the request's text, for text prompts
+
+
+def normalize_prompt(raw: Any, *, vocab_size: int, tokenizer, add_special_tokens: bool,
+                     max_batch_prompts: int) -> list[Prompt]:
+    """The four prompt forms of SPEC.md -> a list of Prompt. Ids are used exactly."""
+    bad_type = InvalidRequest("prompt must be a string or an array of token ids", param="prompt")
+
+    def encode(text: str, where: str) -> Prompt:
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise InvalidRequest(f"{where}: the text yields no tokens and cannot be evaluated",
+                                 param=where)
+        return Prompt(list(ids), text)
+
+    def id_list(ids: list, where: str) -> Prompt:
+        if not ids:
+            raise InvalidRequest(f"{where}: an empty token-id array cannot be evaluated",
+                                 param=where)
+        _check_ids(ids, vocab_size, where)
+        return Prompt(list(ids), None)
+
+    if isinstance(raw, str):
+        prompts = [encode(raw, "prompt")]
+    elif isinstance(raw, list):
+        if not raw or not isinstance(raw[0], (str, list)):
+            prompts = [id_list(raw, "prompt")]
+        elif isinstance(raw[0], str):
+            for i, p in enumerate(raw):
+                if not isinstance(p, str):
+                    raise InvalidRequest(
+                        f"prompt[{i}] is not a string (a list of text prompts must hold only "
+                        f"strings)", param=f"prompt[{i}]")
+            prompts = None
+        else:
+            for i, p in enumerate(raw):
+                if not isinstance(p, list):
+                    raise InvalidRequest(
+                        f"prompt[{i}] is not an array of token ids (a batch of id prompts must "
+                        f"hold only arrays)", param=f"prompt[{i}]")
+            prompts = None
+        if prompts is None:
+            if len(raw) > max_batch_prompts:
+                raise InvalidRequest(
+                    f"prompt holds {len(raw)} prompts, more than the maximum of "
+                    f"{max_batch_prompts} (--max-batch-prompts)", param="prompt")
+            if isinstance(raw[0], str):
+                prompts = [encode(p, f"prompt[{i}]") for i, p in enumerate(raw)]
+            else:
+                prompts = [id_list(p, f"prompt[{i}]") for i, p in enumerate(raw)]
+    else:
+        raise bad_type
+    return prompts
+
+
+def _check_unsupported(req: BaseModel) -> None:
+    for name in req.model_fields_set:
+        neutral = _UNSUPPORTED.get(name)
+        if neutral is not None and getattr(req, name) not in neutral:
+            raise InvalidRequest(f"{name} is not supported", param=name)
+    for name, neutral in _NEUTRAL_SAMPLING.items():
+        value = getattr(req, name, None)
+        if name not in _SP_FIELDS and value is not None and value != neutral:
+            raise InvalidRequest(f"{name} is not supported", param=name)
+
+
+def _stop_list(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise InvalidRequest("stop must be a string or an array of strings", param="stop")
+    if len(stop) > MAX_STOP:
+        raise InvalidRequest(f"stop holds {len(stop)} strings, more than {MAX_STOP}",
+                             param="stop")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise InvalidRequest(f"stop[{i}] is not a string", param=f"stop[{i}]")
+        if not s:
+            raise InvalidRequest(f"stop[{i}] is an empty string", param=f"stop[{i}]")
+    return list(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        param = f"logit_bias.{key}"
+        k = key.strip()
+        if not (k.isdigit() or (k.startswith("-") and k[1:].isdigit())):
+            raise InvalidRequest(f"{param}: the key {key!r} is not a token id", param=param)
+        tid = int(k)
+        if not 0 <= tid < vocab_size:
+            raise InvalidRequest(f"{param}: token id {tid} is outside the vocabulary "
+                                 f"(0..{vocab_size - 1})", param=param)
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequest(f"{param} = {value} is outside [-100, 100]", param=param)
+        out[tid] = float(value)
+    return out
+
+
+def _check_logprobs_cap(value: int | None, cap: int, param: str) -> None:
+    if value is not None and value > cap:
+        raise InvalidRequest(f"Requested {param} of {value}, which is greater than max allowed: "
+                             f"{cap}", param=param)
+
+
+def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
+    _check_unsupported(req)
+    kw: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": -1 if req.top_k in (None, 0) else req.top_k,
+        "seed": req.seed,
+        "stop": _stop_list(req.stop),
+        "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+        "min_tokens": req.min_tokens,
+    }
+    if req.min_p is not None:
+        kw["min_p"] = req.min_p
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.stop_token_ids:
+        _check_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+        kw["stop_token_ids"] = list(req.stop_token_ids)
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
+        _check_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+        kw["allowed_token_ids"] = list(dict.fromkeys(req.allowed_token_ids))
+    bias = _logit_bias(req.logit_bias, vocab_size)
+    if bias:
+        kw["logit_bias"] = bias
+    return {k: v for k, v in kw.items() if k in _SP_FIELDS}
+
+
+def _check_context(prompts: list[Prompt], max_tokens: int, max_model_len: int) -> None:
+    for i, p in enumerate(prompts):
+        if len(p.ids) + max_tokens > max_model_len:
+            where = f"prompt[{i}]: " if len(prompts) > 1 else ""
+            raise ContextTooLong(
+                f"{where}You passed {len(p.ids)} input tokens and requested {max_tokens} output "
+                f"tokens; the context is {max_model_len}", param="max_tokens")
+
+
+def _make_params(kw: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except ValueError as exc:   # an engine invariant our checks missed: still the client's input
+        raise InvalidRequest(str(exc)) from None
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What the server needs to run one request: prompts x n engine requests."""
+    request: BaseModel
+    prompts: list[Prompt]
+    params: SamplingParams
+    n: int
+    # completions only
+    echo: bool = False
+    logprobs: int | None = None          # legacy top-K per position (None: no logprobs)
+    prompt_logprobs: int | None = None   # the vLLM `prompt_logprobs` field
+    score_only: bool = False             # max_tokens 0 + echo: drop the one generated token
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+    def choice_params(self, j: int) -> SamplingParams:
+        """Choice j of a prompt: seed + j when a seed is set (n > 1 stays reproducible)."""
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + j)
+
+
+def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 64
+                     ) -> ParsedRequest:
+    req: CompletionRequest = validate_model(CompletionRequest, body)
+    cap = limits.max_logprobs
+    _check_logprobs_cap(req.logprobs, cap, "logprobs")
+    _check_logprobs_cap(req.prompt_logprobs, cap, "prompt_logprobs")
+    if req.logprob_token_ids is not None:
+        if req.logprobs is None:
+            raise InvalidRequest("logprob_token_ids requires logprobs to be set",
+                                 param="logprob_token_ids")
+        _check_ids(req.logprob_token_ids, limits.vocab_size, "logprob_token_ids")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise InvalidRequest("max_tokens must be at least 1 (0 is allowed only with echo)",
+                             param="max_tokens")
+    if req.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({req.min_tokens}) is greater than max_tokens "
+                             f"({max_tokens})", param="min_tokens")
+    kw = _sampling_kwargs(req, limits.vocab_size)
+    prompts = normalize_prompt(req.prompt, vocab_size=limits.vocab_size, tokenizer=tokenizer,
+                               add_special_tokens=req.add_special_tokens,
+                               max_batch_prompts=max_batch_prompts)
+    _check_context(prompts, max_tokens, limits.max_model_len)
+    score_only = max_tokens == 0
+    kw["max_tokens"] = max(max_tokens, 1)
+    if score_only:
+        kw["min_tokens"] = 0
+    if req.logprobs is not None:
+        kw["logprobs"] = req.logprobs
+        if req.logprob_token_ids:
+            kw["logprob_token_ids"] = list(dict.fromkeys(req.logprob_token_ids))
+    internal_prompt_lp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        internal_prompt_lp = max(req.logprobs, req.prompt_logprobs or 0)
+    if internal_prompt_lp is not None:
+        kw["prompt_logprobs"] = internal_prompt_lp
+    so = req.stream_options
+    return ParsedRequest(
+        request=req, prompts=prompts, params=_make_params(kw), n=req.n, echo=req.echo,
+        logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, score_only=score_only,
+        stream=req.stream, include_usage=bool(req.stream and so and so.include_usage),
+        model=req.model)
+
+
+def _message_text(msg: ChatMessage, i: int) -> str:
+    c = msg.content
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise InvalidRequest(f"messages[{i}].content must be a string or an array of text parts",
+                             param=f"messages[{i}].content")
+    texts = []
+    for j, part in enumerate(c):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(f"{where}: content part of type {kind!r} is not supported "
+                                 f"(only text)", param=where)
+        extra = set(part) - {"type", "text"}
+        if extra:
+            name = sorted(extra)[0]
+            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{name}",
+                                 param=f"{where}.{name}")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat(messages: list[ChatMessage], tokenizer, *, add_generation_prompt: bool,
+                add_special_tokens: bool) -> tuple[str, list[int]]:
+    """Messages -> (template text, prompt ids). BOS only as the template renders it."""
+    plain = [{"role": m.role, "content": _message_text(m, i)} | ({"name": m.name} if m.name else {})
+             for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja2 TemplateError / raise_exception from the template
+        if type(exc).__module__.startswith("jinja2") or isinstance(exc, (ValueError, TypeError)):
+            raise InvalidRequest(f"messages: the chat template refused them: {exc}",
+                                 param="messages") from None
+        raise
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if not ids:
+        raise InvalidRequest("messages: the conversation yields no tokens", param="messages")
+    return text, ids
+
+
+def parse_chat(body: Any, limits, tokenizer) -> ParsedRequest:
+    req: ChatCompletionRequest = validate_model(ChatCompletionRequest, body)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    _check_logprobs_cap(req.top_logprobs, limits.max_logprobs, "top_logprobs")
+    kw = _sampling_kwargs(req, limits.vocab_size)
+    text, ids = render_chat(req.messages, tokenizer, add_generation_prompt=req.add_generation_prompt,
+                            add_special_tokens=req.add_special_tokens)
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:   # an added token beyond the model's vocabulary
+            raise InvalidRequest(f"messages: the rendered prompt holds token id {t} at "
+                                 f"position {i}, outside the vocabulary", param="messages")
+    prompts = [Prompt(ids, text)]
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        max_tokens = limits.max_model_len - len(ids)
+        if max_tokens < 1:
+            _check_context(prompts, 1, limits.max_model_len)
+    else:
+        _check_context(prompts, max_tokens, limits.max_model_len)
+    if req.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({req.min_tokens}) is greater than max_tokens "
+                             f"({max_tokens})", param="min_tokens")
+    kw["max_tokens"] = max_tokens
+    lp = None
+    if req.logprobs:
+        lp = req.top_logprobs or 0
+        kw["logprobs"] = lp
+    so = req.stream_options
+    return ParsedRequest(request=req, prompts=prompts, params=_make_params(kw), n=req.n,
+                         logprobs=lp, stream=req.stream,
+                         include_usage=bool(req.stream and so and so.include_usage),
+                         model=req.model)
+
+
+def parse_tokenize(body: Any, limits, tokenizer) -> dict:
+    req: TokenizeRequest = validate_model(TokenizeRequest, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("exactly one of prompt and messages is required", param="prompt")
+    if req.prompt is not None:
+        add = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=add))
+    else:
+        if not req.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        _, ids = render_chat(req.messages, tokenizer,
+                             add_generation_prompt=req.add_generation_prompt,
+                             add_special_tokens=bool(req.add_special_tokens))
+    return {"tokens": ids, "count": len(ids), "max_model_len": limits.max_model_len}
+
+
+def parse_detokenize(body: Any, limits) -> list[int]:
+    req: DetokenizeRequest = validate_model(DetokenizeRequest, body)
+    _check_ids(req.tokens, limits.vocab_size, "tokens")
+    return list(req.tokens)
+
+
+# ------------------------------------------------------------------------------------------
+# Responses. A ChoiceState turns one engine stream into fragments; streaming sends each fragment
+# as a chunk, non-streaming merges them -- so both modes produce the same text and logprobs.
+# ------------------------------------------------------------------------------------------
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_key(tokenizer, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else token_text(tokenizer, token_id)
+
+
+def _top_dict(tokenizer, tl, k: int, as_ids: bool) -> dict[str, float]:
+    """Top k plus the sampled token plus the logprob_token_ids entries.
+
+    NOTE: without return_tokens_as_token_ids two ids can decode to the same text; the dict keeps
+    the first (the higher-ranked) one. With token_id:N keys nothing collides.
+    """
+    out: dict[str, float] = {}
+    for tid, lp in list(tl.top)[:k]:
+        out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
+    out.setdefault(token_key(tokenizer, tl.token_id, as_ids), float(tl.logprob))
+    for tid, lp in (getattr(tl, "extra", None) or []):
+        out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
+    return out
+
+
+def _char_offsets(tokenizer, ids: Sequence[int], start: int, end: int) -> list[int]:
+    """Character offset of each token in text[start:end]: complete chars before its bytes."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, pos = [], start
+    for tid in ids:
+        offsets.append(min(pos, end))
+        pos += len(dec.decode(tokenizer.token_bytes(tid)))
+    return offsets
+
+
+@dataclass
+class LegacyLogprobs:
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def extend(self, other: LegacyLogprobs) -> None:
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Fragment:
+    """One choice's increment: what a chunk carries, and what a full response concatenates."""
+    text: str = ""
+    logprobs: LegacyLogprobs | list[dict] | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def prompt_logprobs_entries(tokenizer, prompt_ids: list[int], plps: list, k: int) -> list:
+    """vLLM's prompt_logprobs: [None, {"<id>": {logprob, rank, decoded_token}}, ...]."""
+    out: list = []
+    for pos, tl in enumerate(plps):
+        if tl is None:
+            out.append(None)
+            continue
+        entry = {}
+        for rank, (tid, lp) in enumerate(list(tl.top)[:k], start=1):
+            entry[str(tid)] = {"logprob": float(lp), "rank": rank,
+                               "decoded_token": token_text(tokenizer, tid)}
+        entry.setdefault(str(tl.token_id), {"logprob": float(tl.logprob), "rank": int(tl.rank),
+                                            "decoded_token": token_text(tokenizer, tl.token_id)})
+        out.append(entry)
+    return out
+
+
+class ChoiceState:
+    """Turns the RequestOutput deltas of one engine request into Fragments (completions API)."""
+
+    def __init__(self, tokenizer, parsed: ParsedRequest, prompt: Prompt):
+        self.tok = tokenizer
+        self.parsed = parsed
+        self.prompt = prompt
+        self.as_ids = bool(parsed.request.return_tokens_as_token_ids)
+        self.text_len = 0
+        self.first = True
+        self.num_prompt_tokens = len(prompt.ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    def _gen_logprobs(self, out, start: int) -> LegacyLogprobs:
+        k = self.parsed.logprobs or 0
+        lps = out.logprobs or []
+        ids = [tl.token_id for tl in lps]
+        res = LegacyLogprobs(
+            tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
+            token_logprobs=[float(tl.logprob) for tl in lps],
+            top_logprobs=[_top_dict(self.tok, tl, k, self.as_ids) for tl in lps],
+            text_offset=_char_offsets(self.tok, ids, start, self.text_len))
+        return res
+
+    def feed(self, out) -> Fragment:
+        frag = Fragment()
+        start = self.text_len
+        if self.first:
+            self.first = False
+            self.num_cached_tokens = int(out.num_cached_tokens or 0)
+            if self.parsed.echo:
+                ptext = self.tok.decode(self.prompt.ids, skip_special_tokens=False)
+                frag.text += ptext
+                self.text_len += len(ptext)
+                if self.parsed.logprobs is not None:
+                    frag.logprobs = self._echo_logprobs(out.prompt_logprobs, ptext)
+                start = self.text_len
+            if self.parsed.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                frag.prompt_logprobs = prompt_logprobs_entries(
+                    self.tok, self.prompt.ids, out.prompt_logprobs, self.parsed.prompt_logprobs)
+        if self.parsed.score_only:
+            if out.finished:
+                frag.finish_reason = "length"
+                self.finish_reason = "length"
+            return frag
+        new_text = out.new_text or ""
+        frag.text += new_text
+        self.text_len += len(new_text)
+        self.num_output_tokens += len(out.new_token_ids or [])
+        if self.parsed.logprobs is not None and out.logprobs:
+            gen = self._gen_logprobs(out, start)
+            if frag.logprobs is None:
+                frag.logprobs = gen
+            else:
+                frag.logprobs.extend(gen)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            frag.finish_reason = out.finish_reason
+            frag.stop_reason = getattr(out, "stop_reason", None)
+        return frag
+
+    def _echo_logprobs(self, plps: list | None, ptext: str) -> LegacyLogprobs:
+        ids = self.prompt.ids
+        k = self.parsed.logprobs or 0
+        plps = list(plps or [None] * len(ids))
+        res = LegacyLogprobs(
+            tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
+            token_logprobs=[None if tl is None else float(tl.logprob) for tl in plps],
+            top_logprobs=[None if tl is None else _top_dict(self.tok, tl, k, self.as_ids)
+                          for tl in plps],
+            text_offset=_char_offsets(self.tok, ids, 0, len(ptext)))
+        return res
+
+
+def merge_fragments(frags: list[Fragment]) -> Fragment:
+    total = Fragment()
+    for f in frags:
+        total.text += f.text
+        if f.logprobs is not None:
+            if total.logprobs is None:
+                total.logprobs = type(f.logprobs)() if isinstance(f.logprobs, LegacyLogprobs) \
+                    else []
+            if isinstance(f.logprobs, LegacyLogprobs):
+                total.logprobs.extend(f.logprobs)
+            else:
+                total.logprobs += f.logprobs
+        if f.prompt_logprobs is not None:
+            total.prompt_logprobs = f.prompt_logprobs
+        if f.finish_reason is not None:
+            total.finish_reason = f.finish_reason
+            total.stop_reason = f.stop_reason
+    return total
+
+
+class ChatChoiceState(ChoiceState):
+    """The chat API: logprobs as content[] = {token, logprob, bytes, top_logprobs}."""
+
+    def _entry(self, tid: int, lp: float) -> dict:
+        return {"token": token_key(self.tok, tid, self.as_ids), "logprob": float(lp),
+                "bytes": list(self.tok.token_bytes(tid))}
+
+    def feed(self, out) -> Fragment:
+        frag = Fragment()
+        if self.first:
+            self.first = False
+            self.num_cached_tokens = int(out.num_cached_tokens or 0)
+        frag.text = out.new_text or ""
+        self.num_output_tokens += len(out.new_token_ids or [])
+        if self.parsed.logprobs is not None and out.logprobs:
+            k = self.parsed.logprobs
+            frag.logprobs = [self._entry(tl.token_id, tl.logprob)
+                             | {"top_logprobs": [self._entry(t, lp) for t, lp in list(tl.top)[:k]]}
+                             for tl in out.logprobs]
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            frag.finish_reason = out.finish_reason
+            frag.stop_reason = getattr(out, "stop_reason", None)
+        return frag
+
+
+def usage_dict(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def completion_choice(index: int, frag: Fragment) -> dict:
+    choice = {"index": index, "text": frag.text,
+              "logprobs": frag.logprobs.to_dict() if isinstance(frag.logprobs, LegacyLogprobs)
+              else frag.logprobs,
+              "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}
+    if frag.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = frag.prompt_logprobs
+    return choice
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage: dict,
+                        created: int | None = None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": choices, "usage": usage}
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, frag: Fragment
+                     ) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [completion_choice(index, frag)]}
+
+
+def chat_choice(index: int, frag: Fragment) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": frag.text},
+            "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
+            "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], usage: dict,
+                  created: int | None = None) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()),
+            "model": model, "choices": choices, "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, frag: Fragment,
+               first: bool = False) -> dict:
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if frag.text or first:
+        delta["content"] = frag.text
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [{"index": index, "delta": delta,
+                         "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
+                         "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, usage: dict) -> dict:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage}

@@ -1,0 +1,373 @@
+"""protocol.py without a model: request validation, every refusal, and the response builders.
+
+A byte-level fake tokenizer (ids 0..255 are bytes, 256 BOS, 257 EOS) keeps these tests exact and
+fast; the same refusals are checked over HTTP against SmolLM2 in test_server.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+
+from freetoken import protocol
+from freetoken.errors import ContextTooLong, InvalidRequest
+
+
+class FakeTokenizer:
+    vocab_size = 300
+    bos_token_id, eos_token_id = 256, 257
+    bos_token, eos_token = "<s>", "</s>"
+    chat_template = "fake"
+
+    def __init__(self, add_bos_token: bool = False):
+        self.add_bos_token = add_bos_token
+
+    def encode(self, text, add_special_tokens=True):
+        ids = list(text.encode())
+        return ([self.bos_token_id] if self.add_bos_token and add_special_tokens else []) + ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        out, buf = [], bytearray()
+        for t in ids:
+            if t < 256:
+                buf.append(t)
+            elif not skip_special_tokens:
+                out.append(buf.decode("utf-8", "replace"))
+                buf = bytearray()
+                out.append({256: "<s>", 257: "</s>"}.get(t, f"<{t}>"))
+        out.append(buf.decode("utf-8", "replace"))
+        return "".join(out)
+
+    def token_bytes(self, t):
+        return bytes([t]) if t < 256 else self.decode([t], skip_special_tokens=False).encode()
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class Limits:
+    vocab_size: int = 300
+    max_model_len: int = 64
+    max_logprobs: int = 20
+
+
+@dataclass
+class TL:  # TokenLogprob
+    token_id: int
+    logprob: float
+    rank: int = 1
+    top: list = field(default_factory=list)
+    extra: list = field(default_factory=list)
+
+
+@dataclass
+class Out:  # RequestOutput
+    new_token_ids: list
+    new_text: str
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: object = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    request_id: str = "r"
+
+
+TOK = FakeTokenizer()
+LIM = Limits()
+
+
+def parse(body, tok=TOK, **kw):
+    return protocol.parse_completion(body, LIM, tok, **kw)
+
+
+def refused(body, param, message=None, fn=parse):
+    with pytest.raises(InvalidRequest) as ei:
+        fn(body)
+    assert ei.value.param == param, (ei.value.param, ei.value.message)
+    assert ei.value.status == 400
+    if message is not None:
+        assert ei.value.message == message, ei.value.message
+    return ei.value
+
+
+# ---- the seed refusals (seed document 001) -------------------------------------------------
+
+def test_seed_refusals_exact():
+    refused({"prompt": []}, "prompt", "prompt: an empty token-id array cannot be evaluated")
+    refused({"prompt": [1, "2"]}, "prompt[1]", "prompt[1] is not an integer token id")
+    refused({"prompt": [999999999]}, "prompt[0]",
+            "prompt[0] = 999999999 is outside the vocabulary (0..299)")
+    refused({"prompt": {"a": 1}}, "prompt", "prompt must be a string or an array of token ids")
+
+
+@pytest.mark.parametrize("prompt,param", [
+    ([[]], "prompt[0]"), ([[1, 2], []], "prompt[1]"), ([1, True], "prompt[1]"),
+    ([2.5], "prompt[0]"), ([1.0], "prompt[0]"), ([[1, 2], [3, "4"]], "prompt[1][1]"),
+    ([[1], [2, 300]], "prompt[1][1]"), ([-1], "prompt[0]"), (["a", 1], "prompt[1]"),
+    ([[1], 2], "prompt[1]"), ([1, [2]], "prompt[1]"), (["a", ""], "prompt[1]"), ("", "prompt"),
+    (5, "prompt"), (None, "prompt"), (True, "prompt"), ([None], "prompt[0]"),
+])
+def test_prompt_refusals_name_position(prompt, param):
+    e = refused({"prompt": prompt}, param)
+    assert param in e.message
+
+
+def test_prompt_missing():
+    refused({}, "prompt", "prompt is required")
+
+
+def test_prompt_forms():
+    p = parse({"prompt": "ab"})
+    assert [x.ids for x in p.prompts] == [[97, 98]]
+    p = parse({"prompt": "ab"}, tok=FakeTokenizer(add_bos_token=True))
+    assert [x.ids for x in p.prompts] == [[256, 97, 98]]
+    p = parse({"prompt": "ab", "add_special_tokens": False}, tok=FakeTokenizer(add_bos_token=True))
+    assert [x.ids for x in p.prompts] == [[97, 98]]
+    # id prompts are used exactly, BOS or not
+    p = parse({"prompt": [1, 256, 3]}, tok=FakeTokenizer(add_bos_token=True))
+    assert [x.ids for x in p.prompts] == [[1, 256, 3]]
+    p = parse({"prompt": [[1], [2, 3]]})
+    assert [x.ids for x in p.prompts] == [[1], [2, 3]]
+    p = parse({"prompt": ["a", "bc"]})
+    assert [x.ids for x in p.prompts] == [[97], [98, 99]]
+
+
+def test_max_batch_prompts():
+    refused({"prompt": [[1]] * 3}, "prompt", fn=lambda b: parse(b, max_batch_prompts=2))
+    parse({"prompt": [[1]] * 2}, max_batch_prompts=2)
+
+
+def test_context_too_long():
+    with pytest.raises(ContextTooLong) as ei:
+        parse({"prompt": [1] * 60, "max_tokens": 5})
+    assert ei.value.message == ("You passed 60 input tokens and requested 5 output tokens; "
+                                "the context is 64")
+    assert ei.value.param == "max_tokens"
+    parse({"prompt": [1] * 60, "max_tokens": 4})
+    with pytest.raises(ContextTooLong) as ei:
+        parse({"prompt": [[1], [1] * 64], "max_tokens": 1})
+    assert ei.value.message.startswith("prompt[1]: You passed 64 input tokens")
+
+
+# ---- fields --------------------------------------------------------------------------------
+
+def test_unknown_field():
+    refused({"prompt": "a", "foo": 1}, "foo", "Unrecognized request argument supplied: foo")
+    refused({"prompt": "a", "stream_options": {"x": 1}}, "stream_options.x",
+            "Unrecognized request argument supplied: stream_options.x")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("best_of", 2), ("use_beam_search", True), ("suffix", "x"), ("guided_json", {}),
+    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"),
+    ("structured_outputs", {"json": {}}), ("response_format", {"type": "json_object"}),
+    ("prompt_embeds", "abc"), ("truncate_prompt_tokens", 5), ("length_penalty", 2.0),
+    ("bad_words", ["x"]), ("spaces_between_special_tokens", False),
+])
+def test_unimplemented_fields_refused(name, value):
+    refused({"prompt": "a", name: value}, name, f"{name} is not supported")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("best_of", 1), ("use_beam_search", False), ("suffix", None), ("suffix", ""),
+    ("guided_json", None), ("response_format", {"type": "text"}), ("logit_bias", {}),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0),
+    ("user", "me"), ("prompt_embeds", None), ("truncate_prompt_tokens", None),
+])
+def test_neutral_values_accepted(name, value):
+    parse({"prompt": "a", name: value})
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"), ({"temperature": "1"}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"n": True}, "n"), ({"seed": 1.0}, "seed"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"echo": 1}, "echo"), ({"stream": "yes"}, "stream"),
+    ({"stop": 3}, "stop"), ({"stop": ["a", 3]}, "stop[1]"), ({"stop": [""]}, "stop[0]"),
+    ({"stop_token_ids": [1, 300]}, "stop_token_ids[1]"),
+    ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, 2, 300]}, "allowed_token_ids[2]"),
+    ({"allowed_token_ids": [1, False]}, "allowed_token_ids[1]"),
+    ({"allowed_token_ids": [1, 2.0]}, "allowed_token_ids[1]"),
+    ({"logit_bias": {"300": 1}}, "logit_bias.300"), ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": {"5": True}}, "logit_bias.5"),
+    ({"logprob_token_ids": [1]}, "logprob_token_ids"),
+    ({"logprobs": 1, "logprob_token_ids": [300]}, "logprob_token_ids[0]"),
+    ({"min_tokens": 20}, "min_tokens"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"temperature": float("nan")}, "temperature"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_field_refusals(body, param):
+    refused({"prompt": "a", **body}, param)
+
+
+def test_logprobs_cap_message():
+    refused({"prompt": "a", "logprobs": 21}, "logprobs",
+            "Requested logprobs of 21, which is greater than max allowed: 20")
+    parse({"prompt": "a", "logprobs": 20})
+
+
+def test_not_an_object():
+    with pytest.raises(InvalidRequest):
+        parse([1, 2])
+
+
+def test_sampling_params_built():
+    p = parse({"prompt": "a", "max_tokens": 3, "temperature": 0, "top_k": 0, "seed": 7,
+               "stop": "x", "allowed_token_ids": [5, 3, 5], "logit_bias": {"4": -100},
+               "logprobs": 2, "logprob_token_ids": [9], "n": 3, "ignore_eos": True})
+    sp = p.params
+    assert sp.max_tokens == 3 and sp.temperature == 0 and sp.top_k == -1 and sp.seed == 7
+    assert sp.stop == ["x"] and sorted(sp.allowed_token_ids) == [3, 5]
+    assert sp.logit_bias == {4: -100.0} and sp.logprobs == 2 and sp.logprob_token_ids == [9]
+    assert sp.ignore_eos and p.n == 3
+    assert [p.choice_params(j).seed for j in range(3)] == [7, 8, 9]
+    assert p.prompt_logprobs is None and sp.prompt_logprobs is None
+
+
+def test_echo_requests_prompt_logprobs():
+    p = parse({"prompt": [1, 2], "echo": True, "logprobs": 3, "max_tokens": 0})
+    assert p.score_only and p.params.max_tokens == 1 and p.params.prompt_logprobs == 3
+    assert p.prompt_logprobs is None
+
+
+# ---- chat ----------------------------------------------------------------------------------
+
+def chat(body):
+    return protocol.parse_chat(body, LIM, TOK)
+
+
+def test_chat_parse():
+    p = chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+              "top_logprobs": 2})
+    assert p.prompts[0].ids == list(b"<user>hi\n<assistant>")
+    assert p.params.logprobs == 2 and p.logprobs == 2
+    p = chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert p.prompts[0].ids == list(b"<user>hi\n<assistant>")
+    assert p.params.max_tokens == LIM.max_model_len - len(p.prompts[0].ids)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a"},
+                   {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[1].content[0]"),
+    ({"messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
+    ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 100}, "max_tokens"),
+])
+def test_chat_refusals(body, param):
+    refused(body, param, fn=chat)
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
+    p = parse({"prompt": [104, 105], "logprobs": 1, "max_tokens": 2})
+    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    f1 = st.feed(Out([120], "x", [TL(120, -2.0, 3, [(50, -0.1)])], num_cached_tokens=1))
+    f2 = st.feed(Out([121], "y", [TL(121, -0.5, 1, [(121, -0.5)])], finished=True,
+                     finish_reason="length"))
+    m = protocol.merge_fragments([f1, f2])
+    lp = m.logprobs.to_dict()
+    assert m.text == "xy" and m.finish_reason == "length"
+    assert lp["tokens"] == ["x", "y"] and lp["token_logprobs"] == [-2.0, -0.5]
+    assert lp["top_logprobs"] == [{"2": -0.1, "x": -2.0}, {"y": -0.5}]
+    assert lp["text_offset"] == [0, 1]
+    assert st.num_cached_tokens == 1 and st.num_output_tokens == 2
+
+
+def test_token_id_keys_do_not_collide():
+    p = parse({"prompt": [1], "logprobs": 2, "return_tokens_as_token_ids": True})
+    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    # 0xC3 and 0xC4 both decode to U+FFFD alone: text keys would collide
+    f = st.feed(Out([0xC3], "", [TL(0xC3, -0.7, 1, [(0xC3, -0.7), (0xC4, -0.8)])],
+                    finished=True, finish_reason="length"))
+    lp = f.logprobs.to_dict()
+    assert lp["tokens"] == ["token_id:195"]
+    assert lp["top_logprobs"] == [{"token_id:195": -0.7, "token_id:196": -0.8}]
+
+
+def test_echo_logprobs_first_null():
+    p = parse({"prompt": [104, 105, 106], "logprobs": 1, "echo": True, "max_tokens": 1})
+    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    plps = [None, TL(105, -1.0, 2, [(1, -0.5)]), TL(106, -2.0, 1, [(106, -2.0)])]
+    f = st.feed(Out([33], "!", [TL(33, -0.3, 1, [(33, -0.3)])], prompt_logprobs=plps,
+                    finished=True, finish_reason="length"))
+    lp = f.logprobs.to_dict()
+    assert f.text == "hij!"
+    assert lp["tokens"] == ["h", "i", "j", "!"]
+    assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.3]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"\x01": -0.5, "i": -1.0}
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert f.prompt_logprobs is None
+
+
+def test_score_only_drops_generated():
+    p = parse({"prompt": [104, 105], "logprobs": 0, "echo": True, "max_tokens": 0,
+               "prompt_logprobs": 1})
+    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    plps = [None, TL(105, -1.0, 2, [(1, -0.5)])]
+    f = st.feed(Out([33], "!", [TL(33, -0.3, 1, [])], prompt_logprobs=plps, finished=True,
+                    finish_reason="length"))
+    assert f.text == "hi" and st.num_output_tokens == 0
+    assert f.logprobs.to_dict()["token_logprobs"] == [None, -1.0]
+    assert f.prompt_logprobs == [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "\x01"},
+                                        "105": {"logprob": -1.0, "rank": 2,
+                                                "decoded_token": "i"}}]
+
+
+def test_utf8_offsets_real():
+    # "é" is two bytes, two tokens: both tokens start at char 0; "x" at char 1
+    p = parse({"prompt": [1], "logprobs": 0})
+    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    f = st.feed(Out([0xC3, 0xA9, 120], "éx", [TL(0xC3, -1), TL(0xA9, -1), TL(120, -1)]))
+    assert f.logprobs.text_offset == [0, 0, 1]
+
+
+def test_chat_logprobs_shape():
+    p = chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+              "top_logprobs": 1, "max_tokens": 2})
+    st = protocol.ChatChoiceState(TOK, p, p.prompts[0])
+    f = st.feed(Out([65], "A", [TL(65, -0.1, 1, [(65, -0.1), (66, -3.0)])], finished=True,
+                    finish_reason="stop"))
+    c = protocol.chat_choice(0, f)
+    assert c["message"] == {"role": "assistant", "content": "A"}
+    assert c["logprobs"]["content"] == [{"token": "A", "logprob": -0.1, "bytes": [65],
+                                         "top_logprobs": [{"token": "A", "logprob": -0.1,
+                                                           "bytes": [65]}]}]
+    assert c["finish_reason"] == "stop"
+
+
+def test_usage_dict():
+    u = protocol.usage_dict(5, 2, 3)
+    assert u == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                 "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_openapi_schemas_are_the_models():
+    from freetoken.server import openapi_document
+    doc = openapi_document()
+    comp = doc["components"]["schemas"]["CompletionRequest"]
+    assert comp["additionalProperties"] is False
+    assert {"prompt", "allowed_token_ids", "logprobs", "echo"} <= set(comp["properties"])
+    assert "prompt" in comp["required"]
+    assert not math.isnan(len(doc["paths"]))
