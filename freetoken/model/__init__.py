@@ -20,7 +20,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     # NOTE: to_empty leaves buffers uninitialised and .to(dtype) would round them; RoPE
     # frequencies stay fp32, as in transformers.
     model.inv_freq = rope_inv_freq(config).to(device)
