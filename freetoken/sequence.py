@@ -116,6 +116,9 @@ class Sequence:
     # -- finishing: the one place ---------------------------------------------------------------
     def finish(self, reason: str, stop_reason: int | str | None = None,
                error: str | None = None) -> None:
+        if self.detokenizer is not None and not isinstance(stop_reason, str) \
+                and not self.is_finished:
+            self.text += self.detokenizer.flush()  # a held-back partial character, as U+FFFD
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -45,6 +45,9 @@ class CharDetok:
     def push(self, ids):
         return "".join(chr(ord("a") + (i % 26)) for i in ids)
 
+    def flush(self):
+        return ""
+
 
 def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, cache=True):
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=cache, fingerprint=b"fake")

@@ -1,0 +1,347 @@
+"""The engine: one thread that owns every torch object and runs the step loop.
+
+The asyncio side only calls submit() / abort() (thread-safe: one inbox message each) and reads
+each request's RequestStream, which the engine thread feeds with loop.call_soon_threadsafe.
+generate() is the synchronous twin, for tests and benchmarks.
+
+Step: scheduler.schedule() -> runner.execute() -> scheduler.update() (which decides "finished"
+through Sequence.append_token, frees KV) -> one delta per touched sequence to its sink.
+
+NOTE: torch objects are touched only on the engine thread. Nothing in the step loop assumes CPU:
+tensors are created on the KV pool's device (the model's), and results reach the host only as
+token ids and logprob lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+
+from freetoken.batch import KVCache
+from freetoken.config import EngineConfig
+from freetoken.errors import ContextTooLong, EngineDead, InvalidRequest, Overloaded
+from freetoken.kv_cache import BlockPool
+from freetoken.runner import Runner
+from freetoken.sampler import Sampler
+from freetoken.sampling_params import SamplingParams
+from freetoken.scheduler import Scheduler
+from freetoken.sequence import RequestOutput, Sequence, TokenLogprob
+
+__all__ = ["Engine", "EngineLimits", "RequestOutput", "RequestStream", "TokenLogprob"]
+
+logger = logging.getLogger("freetoken.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    vocab_size: int       # valid token ids are [0, vocab_size)
+    max_model_len: int    # prompt + max_tokens must fit
+    max_logprobs: int
+    logits_width: int = 0  # columns of the lm_head (>= vocab_size when padded)
+
+
+class RequestStream:
+    """Async iterator of one request's RequestOutput deltas; the last has finished=True."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._done = False
+
+    def _post(self, out: RequestOutput) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finished:
+            self._done = True
+        return out
+
+
+def merge_outputs(deltas: Seq[RequestOutput]) -> RequestOutput:
+    """One RequestOutput holding a whole request (what generate() returns)."""
+    last = deltas[-1]
+    out = RequestOutput(last.request_id, finished=last.finished, finish_reason=last.finish_reason,
+                        stop_reason=last.stop_reason, num_prompt_tokens=last.num_prompt_tokens,
+                        num_cached_tokens=last.num_cached_tokens,
+                        num_output_tokens=last.num_output_tokens, error=last.error)
+    lps: list[TokenLogprob] = []
+    for d in deltas:
+        out.new_token_ids += d.new_token_ids
+        out.new_text += d.new_text
+        if d.logprobs is not None:
+            lps += d.logprobs
+            out.logprobs = lps
+        if d.prompt_logprobs is not None:
+            out.prompt_logprobs = d.prompt_logprobs
+    return out
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded):
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = list(loaded.eos_token_ids)
+        mc = loaded.config
+        bs = config.block_size
+        weight = self.model.embed_tokens.weight
+        bytes_per_block = KVCache.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads,
+                                                  mc.head_dim, mc.hidden_size, weight.dtype)
+        self.num_blocks = config.resolve_num_blocks(bytes_per_block)
+        model_len = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
+                             f"{model_len}")
+        max_model_len = config.max_model_len or model_len
+        if max_model_len > self.num_blocks * bs:
+            # NOTE: a lone sequence must always fit the pool, or preemption could not guarantee
+            # progress; so the context is capped to the pool instead of failing later.
+            logger.warning("max_model_len %d capped to the KV pool: %d blocks x %d = %d tokens",
+                           max_model_len, self.num_blocks, bs, self.num_blocks * bs)
+            max_model_len = self.num_blocks * bs
+        self.max_model_len = max_model_len
+        logits_width = int(self.model.lm_head_weight.shape[0])
+        self.limits = EngineLimits(vocab_size=min(mc.vocab_size, logits_width),
+                                   max_model_len=max_model_len,
+                                   max_logprobs=config.max_logprobs, logits_width=logits_width)
+        self.kv = self.model.make_kv_cache(self.num_blocks, bs)
+        self.pool = BlockPool(self.num_blocks, bs, config.enable_prefix_cache,
+                              fingerprint=loaded.fingerprint)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len, self.eos_token_ids)
+        self.runner = Runner(self.model, self.kv, Sampler(weight.device), self.eos_token_ids)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None
+        self._arrivals = 0
+        self.totals = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
+                       "requests_finished_total": 0, "steps_total": 0, "step_errors_total": 0}
+        self.finish_reasons: dict[str, int] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            try:
+                from freetoken import ops
+                backend = ops.backend()
+            except Exception as exc:  # noqa: BLE001 - only for the log line
+                backend = f"unavailable ({exc})"
+            logger.info("engine: %d KV blocks x %d tokens, max_model_len %d, prefix cache %s, "
+                        "ops backend %s, device %s", self.num_blocks, self.config.block_size,
+                        self.max_model_len, "on" if self.config.enable_prefix_cache else "off",
+                        backend, self.kv.hidden.device)
+            self._thread = threading.Thread(target=self._loop, name="freetoken-engine",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def is_alive(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self._stopping)
+
+    # -- the asyncio side -------------------------------------------------------------------
+    def submit(self, prompt_ids: Seq[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue one request; returns its stream. Call from the event loop (or any thread that
+        runs one). Raises InvalidRequest / ContextTooLong / Overloaded / EngineDead."""
+        loop = asyncio.get_running_loop()
+        rid = request_id or uuid.uuid4().hex
+        stream = RequestStream(rid, loop)
+        self.add_request(prompt_ids, params, rid, stream._post)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: finish the request with "abort" and free its KV."""
+        self._inbox.put(("abort", request_id))
+
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str,
+                    sink: Callable[[RequestOutput], None]) -> None:
+        """Thread-safe: validate and queue; `sink` is called on the engine thread per delta."""
+        if not self.is_alive():
+            raise EngineDead(f"The engine loop is not running{': ' + self._dead if self._dead else ''}.")
+        prompt_ids = self._validate(prompt_ids, params)
+        with self._lock:
+            if request_id in self._live:
+                raise InvalidRequest(f"request id {request_id!r} is already running")
+            waiting = len(self._live) - len(self.scheduler.running)
+            if waiting >= self.config.max_queue_len:
+                raise Overloaded()
+            self._live.add(request_id)
+            self._arrivals += 1
+            arrival = self._arrivals
+        detok = None
+        if self.tokenizer is not None:
+            from freetoken.tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(request_id, prompt_ids, params, seed, sink, detok, arrival)
+        self._inbox.put(("add", seq))
+
+    def _validate(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+        ids = list(prompt_ids)
+        lim = self.limits
+        if not ids:
+            raise InvalidRequest("an empty token-id array cannot be evaluated", param="prompt")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
+                raise InvalidRequest(f"prompt[{i}] = {t!r} is outside the vocabulary "
+                                     f"(0..{lim.vocab_size - 1})", param=f"prompt[{i}]")
+        if len(ids) + params.max_tokens > lim.max_model_len:
+            raise ContextTooLong(f"You passed {len(ids)} input tokens and requested "
+                                 f"{params.max_tokens} output tokens; the context is "
+                                 f"{lim.max_model_len}", param="max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > lim.max_logprobs:
+                raise InvalidRequest(f"Requested {name} of {v}, which is greater than max "
+                                     f"allowed: {lim.max_logprobs}", param=name)
+        for t in params.token_ids_referenced():
+            if not 0 <= t < lim.vocab_size:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary "
+                                     f"(0..{lim.vocab_size - 1})")
+        return ids
+
+    # -- sync API ---------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 timeout_s: float | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (all in flight at once); one merged output per prompt."""
+        self.start()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        deltas: list[list[RequestOutput]] = [[] for _ in prompts]
+        remaining = [len(prompts)]
+        done = threading.Event()
+
+        def sink_for(i):
+            def sink(out: RequestOutput):
+                deltas[i].append(out)
+                if out.finished:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+            return sink
+
+        if not prompts:
+            return []
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(p, sp, f"gen-{uuid.uuid4().hex[:12]}-{i}", sink_for(i))
+        if not done.wait(timeout_s):
+            raise TimeoutError("generate() timed out")
+        return [merge_outputs(d) for d in deltas]
+
+    # -- metrics ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.scheduler
+        num_running = len(s.running)
+        return {
+            "num_running": num_running,
+            "num_waiting": max(0, len(self._live) - num_running),
+            "kv_blocks_used": self.pool.num_used_blocks,
+            "kv_blocks_total": self.pool.num_blocks,
+            "prefix_queries": self.pool.num_query_tokens,
+            "prefix_hits": self.pool.num_hit_tokens,
+            "num_preemptions": s.num_preemptions,
+            **self.totals,
+            "finish_reasons": dict(self.finish_reasons),
+        }
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            self._dead = f"{type(exc).__name__}: {exc}"
+            logger.exception("engine loop died")
+            raise
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox(block=not self.scheduler.has_work())
+            if self._stopping:
+                break
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                logger.exception("engine step failed; failing the requests in flight")
+                self.totals["step_errors_total"] += 1
+                for seq in self.scheduler.abort_all("error", f"{type(exc).__name__}: {exc}"):
+                    self._post(seq)
+        for seq in self.scheduler.abort_all("abort"):
+            self._post(seq)
+        self._drain_inbox(block=False, reject=True)
+
+    def _drain_inbox(self, block: bool, reject: bool = False) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, obj = msg
+            if kind == "add":
+                if reject:
+                    obj.finish("abort")
+                    self._post(obj)
+                else:
+                    self.totals["prompt_tokens_total"] += obj.num_prompt_tokens
+                    self.scheduler.add(obj)
+            elif kind == "abort":
+                seq = self.scheduler.abort(obj)
+                if seq is not None:
+                    self._post(seq)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            time.sleep(0.001)  # NOTE: unreachable while a lone sequence always fits the pool
+            return
+        results = self.runner.execute(out)
+        self.totals["steps_total"] += 1
+        for seq in self.scheduler.update(out, results):
+            self._post(seq)
+
+    def _post(self, seq: Sequence) -> None:
+        delta = seq.take_output()
+        self.totals["generation_tokens_total"] += len(delta.new_token_ids)
+        if delta.finished:
+            self.totals["requests_finished_total"] += 1
+            reason = delta.finish_reason or "unknown"
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            with self._lock:
+                self._live.discard(seq.request_id)
+        try:
+            seq.sink(delta)
+        except Exception:  # noqa: BLE001 - a broken sink must not kill the loop
+            logger.exception("output sink of %s failed", seq.request_id)
+

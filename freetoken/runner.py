@@ -1,0 +1,125 @@
+"""The runner: a SchedulerOutput -> ForwardBatch tensors -> model -> sampler -> StepResults.
+
+No policy here. The lm_head runs only at the rows whose logits are needed (batch.logits_indices):
+the last token of each sequence that samples this step, plus the prompt positions of requests
+that asked for prompt logprobs.
+
+NOTE (prompt logprobs with prefix-cache hits): vLLM bypasses its prefix cache for requests with
+prompt logprobs. We do not: KVCache.hidden keeps the final-norm hidden state of every token in
+the pool, written by model.forward next to its K/V. For a cached position q, the logits are
+model.compute_logits(kv.hidden[slot(q)]) -- the same lm_head matmul on the same hidden state a
+cold run computes, so no recompute and no cache bypass. The logprob of prompt token p (p >= 1)
+comes from the logits at position p-1; position 0 has none. Positions computed this step take
+their hidden state straight from the forward's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.batch import ForwardBatch, KVCache
+from freetoken.sampler import Sampler, SampleRow
+from freetoken.scheduler import SchedulerOutput, StepResult
+
+PROMPT_LOGITS_CHUNK = 256  # rows of [V] fp32 logits materialised at once for prompt logprobs
+
+
+class Runner:
+    def __init__(self, model, kv: KVCache, sampler: Sampler, eos_token_ids=()):
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.sampler = sampler
+        self.device = kv.hidden.device
+        self.eos_token_ids = list(eos_token_ids)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build_batch(self, out: SchedulerOutput):
+        """-> (ForwardBatch, sample row index per scheduled seq (or -1), prompt-logprob plan)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        sample_at: list[int] = []           # index into logits_idx, or -1
+        pl_plan: list[tuple[int, list[int], int, int]] = []  # (item idx, cached slots, li0, li1)
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        block_tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            start, end = item.start, item.start + item.num_new_tokens
+            base = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq.block_table, start, end))
+            qsl.append(len(input_ids))
+            seq_lens.append(end)
+            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table,
+                                                                  dtype=torch.int32)
+            if item.pl_end > item.pl_start:
+                cached = self._slots(seq.block_table, item.pl_start, min(start, item.pl_end))
+                li0 = len(logits_idx)
+                logits_idx.extend(base + q - start
+                                  for q in range(max(start, item.pl_start), item.pl_end))
+                pl_plan.append((i, cached, li0, len(logits_idx)))
+            if item.sample:
+                sample_at.append(len(logits_idx))
+                logits_idx.append(base + end - 1 - start)
+            else:
+                sample_at.append(-1)
+
+        def long(values):
+            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+        batch = ForwardBatch(input_ids=long(input_ids), positions=long(positions),
+                             slot_mapping=long(slots), query_start_loc=qsl, seq_lens=seq_lens,
+                             block_tables=block_tables.to(self.device),
+                             logits_indices=long(logits_idx))
+        return batch, sample_at, pl_plan
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        batch, sample_at, pl_plan = self.build_batch(out)
+        results = [StepResult() for _ in out.scheduled]
+        hidden = self.model.forward(batch, self.kv)                        # [N, H]
+
+        for i, cached_slots, li0, li1 in pl_plan:
+            item = out.scheduled[i]
+            seq = item.seq
+            k = seq.params.prompt_logprobs or 0
+            parts = []
+            if cached_slots:
+                parts.append(self.kv.hidden[torch.tensor(cached_slots, device=self.device)])
+            if li1 > li0:
+                parts.append(hidden[li0:li1])
+            h = torch.cat(parts) if len(parts) > 1 else parts[0]           # [P, H]
+            targets = seq.token_ids[item.pl_start + 1:item.pl_end + 1]      # prompt ids p = q+1
+            for c in range(0, h.shape[0], PROMPT_LOGITS_CHUNK):
+                logits = self.model.compute_logits(h[c:c + PROMPT_LOGITS_CHUNK])  # [<=C, V]
+                results[i].prompt_logprobs.extend(self.sampler.prompt_logprobs(
+                    logits, targets[c:c + PROMPT_LOGITS_CHUNK], k))
+
+        rows, where = [], []
+        for i, item in enumerate(out.scheduled):
+            if sample_at[i] < 0:
+                continue
+            seq = item.seq
+            p = seq.params
+            suppress = ()
+            if seq.num_output_tokens < p.min_tokens:
+                suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos
+                                                      else tuple(self.eos_token_ids))
+            rows.append(SampleRow(p, seq.seed, seq.num_output_tokens, seq.token_ids,
+                                  seq.num_prompt_tokens, suppress))
+            where.append(i)
+        if rows:
+            idx = torch.tensor([sample_at[i] for i in where], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))    # [B, V] fp32
+            for i, (token, lp) in zip(where, self.sampler.sample(logits, rows)):
+                results[i].token_id = token
+                results[i].logprob = lp
+        return results
