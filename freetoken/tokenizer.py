@@ -313,6 +313,8 @@ class Tokenizer:
             return hf.token_to_id(value) if isinstance(value, str) else None
 
         bos, eos = special_id("bos_token"), special_id("eos_token")
+        # NOTE: the flag wins when present (SPEC: "HF add_bos_token"); transformers 5 instead
+        # always follows tokenizer.json's post-processor. Real checkpoints agree on both.
         if "add_bos_token" in config:
             add_bos = bool(config["add_bos_token"])
         else:  # no flag: follow what the tokenizer.json post-processor would add
