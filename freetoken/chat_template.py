@@ -49,10 +49,16 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -109,15 +115,17 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     renders as "" and only fails when used further; here it fails at once, with a clear error."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise SecurityError(f"access to attribute {attribute!r} of "
-                            f"{type(obj).__name__!r} object is unsafe")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
 
 
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """The compiled template (cached by source). Raises `BadChatTemplate` on a syntax error."""
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _StrictSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -126,8 +134,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except TemplateSyntaxError as e:
-        raise BadChatTemplate(f"the model's chat template does not compile: {e} "
-                              f"(line {e.lineno})") from e
+        raise BadChatTemplate(
+            f"the model's chat template does not compile: {e} (line {e.lineno})"
+        ) from e
 
 
 def _plain(value: Any) -> Any:
@@ -151,9 +160,15 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def render_chat_template(template: str | None, messages: Sequence[Mapping[str, Any]], *,
-                         add_generation_prompt: bool = True, tools: list | None = None,
-                         documents: list | None = None, **kwargs: Any) -> str:
+def render_chat_template(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+    documents: list | None = None,
+    **kwargs: Any,
+) -> str:
     """`messages` rendered with `template`, exactly as transformers' `apply_chat_template(...,
     tokenize=False)`. Keys whose value is None are dropped from each message first (OpenAI
     clients send `content: null` / `tool_calls: null`), as transformers does."""
@@ -167,12 +182,18 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
             raise ChatTemplateError(f"each message must be an object, got {type(m).__name__}")
         chat.append({k: v for k, v in m.items() if v is not None})
     try:
-        return compiled.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **_plain(kwargs))
+        return compiled.render(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(kwargs),
+        )
     except SecurityError as e:
         raise BadChatTemplate(f"the chat template was stopped by the sandbox: {e}") from e
     except TemplateError as e:
         raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from e
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise ChatTemplateError(f"the chat template failed on these messages: "
-                                f"{type(e).__name__}: {e}") from e
+        raise ChatTemplateError(
+            f"the chat template failed on these messages: {type(e).__name__}: {e}"
+        ) from e

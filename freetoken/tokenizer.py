@@ -39,22 +39,33 @@ logger = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = (
-    1, 2, 3, 4, 5, 6)
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
 
 # The split regexes, in the form the models' own tokenizer.json files spell them (the `tokenizers`
 # library runs Oniguruma, which takes them as written; llama.cpp keeps "adapted" twins of these for
 # its own regex engine).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT4O_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # tokenizer.ggml.pre -> (splits applied in order, each isolating its matches; ignore_merges).
 # NOTE: "smollm" (and starcoder & co.) first isolates every single digit, then applies GPT-2's
@@ -70,12 +81,29 @@ _PRE_FAMILIES: dict[str, tuple[tuple[str, ...], bool]] = {
     "gpt4o": ((_GPT4O_SPLIT,), False),
 }
 _PRE_TOKENIZERS: dict[str, str] = {
-    **dict.fromkeys(["gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2", "trillion",
-                     "granite-docling", "default"], "gpt2"),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva-7b"], "smollm"),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "dbrx", "smaug-bpe"], "llama3"),
+    **dict.fromkeys(
+        ["gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2", "trillion", "granite-docling", "default"],
+        "gpt2",
+    ),
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+        "smollm",
+    ),
+    **dict.fromkeys(
+        [
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "dbrx",
+            "smaug-bpe",
+        ],
+        "llama3",
+    ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], "qwen2"),
     **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], "gpt4o"),
 }
@@ -84,8 +112,11 @@ _PRE_TOKENIZERS: dict[str, str] = {
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: printable stand-in char -> the byte it spells."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -122,18 +153,34 @@ class Tokenizer:
     Thread-safe for encode/decode (the Rust tokenizer is immutable after construction).
     """
 
-    def __init__(self, hf: HFTokenizer, *, byte_level: bool, bos_token_id: int | None,
-                 eos_token_id: int | None, add_bos_token: bool, add_eos_token: bool = False,
-                 eos_token_ids: Iterable[int] = (), pad_token_id: int | None = None,
-                 unk_token_id: int | None = None, chat_template: str | None = None,
-                 source: str = ""):
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        byte_level: bool,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool,
+        add_eos_token: bool = False,
+        eos_token_ids: Iterable[int] = (),
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+        source: str = "",
+    ):
         self._hf = hf
         self.byte_level = byte_level
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
-        for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
-                            ("pad_token_id", pad_token_id), ("unk_token_id", unk_token_id)):
+        for name, value in (
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("pad_token_id", pad_token_id),
+            ("unk_token_id", unk_token_id),
+        ):
             if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name} {value} is outside the vocabulary (size {self.vocab_size})")
+                raise ValueError(
+                    f"{name} {value} is outside the vocabulary (size {self.vocab_size})"
+                )
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -143,22 +190,28 @@ class Tokenizer:
         self.add_bos_token = bool(add_bos_token) and bos_token_id is not None
         self.add_eos_token = bool(add_eos_token) and eos_token_id is not None
         eos = [eos_token_id] if eos_token_id is not None else []
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
-            [*eos, *(i for i in eos_token_ids if 0 <= i < self.vocab_size)]))
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([*eos, *(i for i in eos_token_ids if 0 <= i < self.vocab_size)])
+        )
         self.chat_template = chat_template
         self.source = source
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
         self._added: dict[int, str] = {i: t.content for i, t in added.items()}
         special = {i for i, t in added.items() if t.special}
-        special.update(i for i in (bos_token_id, eos_token_id, pad_token_id, unk_token_id)
-                       if i is not None and i in self._added)
+        special.update(
+            i
+            for i in (bos_token_id, eos_token_id, pad_token_id, unk_token_id)
+            if i is not None and i in self._added
+        )
         self.all_special_ids: list[int] = sorted(special)
         self._special_set = frozenset(special)
         self._token_bytes: list[bytes | None] = [None] * self.vocab_size
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
-                f"eos={self.eos_token!r}, add_bos_token={self.add_bos_token}, source={self.source!r})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r}, add_bos_token={self.add_bos_token}, source={self.source!r})"
+        )
 
     # ---- encode / decode ---------------------------------------------------------------------
 
@@ -173,7 +226,9 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         out = [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
         if add_special_tokens and (self.add_bos_token or self.add_eos_token):
             head = [self.bos_token_id] if self.add_bos_token else []
@@ -188,7 +243,9 @@ class Tokenizer:
         """The raw vocabulary piece (byte-level spelling, e.g. 'Ġhello')."""
         piece = self._hf.id_to_token(token_id)
         if piece is None:
-            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary (size {self.vocab_size})"
+            )
         return piece
 
     def token_to_id(self, token: str) -> int | None:
@@ -226,8 +283,9 @@ class Tokenizer:
 
     # ---- chat --------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The conversation rendered with the model's own template, as transformers renders it.
         The text already holds every special token the template writes (BOS included): encode
         it with `add_special_tokens=False` (or call `encode_chat`)."""
@@ -236,14 +294,17 @@ class Tokenizer:
         for name, tid in (("pad_token", self.pad_token_id), ("unk_token", self.unk_token_id)):
             if tid is not None:
                 kwargs.setdefault(name, self._hf.id_to_token(tid))
-        return render_chat_template(self.chat_template, messages,
-                                    add_generation_prompt=add_generation_prompt, **kwargs)
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Prompt ids for a chat request: the rendered template, no BOS beyond what it writes."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     # ---- constructors ------------------------------------------------------------------------
@@ -269,32 +330,49 @@ class Tokenizer:
         bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
         extra_eos = [get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")]
         common = dict(
-            bos_token_id=bos, eos_token_id=eos,
+            bos_token_id=bos,
+            eos_token_id=eos,
             eos_token_ids=[i for i in extra_eos if i is not None],
             pad_token_id=get("tokenizer.ggml.padding_token_id"),
             unk_token_id=get("tokenizer.ggml.unknown_token_id"),
             add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=get("tokenizer.chat_template"), source=path)
+            chat_template=get("tokenizer.chat_template"),
+            source=path,
+        )
 
         if model_type == "gpt2":
-            hf, pre = _gguf_byte_level(tokens, types, get("tokenizer.ggml.merges") or [],
-                                       get("tokenizer.ggml.pre"))
+            hf, pre = _gguf_byte_level(
+                tokens, types, get("tokenizer.ggml.merges") or [], get("tokenizer.ggml.pre")
+            )
             add_bos = bool(get("tokenizer.ggml.add_bos_token", False))
             tok = cls(hf, byte_level=True, add_bos_token=add_bos, **common)
         elif model_type == "llama":
             scores = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            hf = _gguf_sentencepiece(tokens, types, scores, common["unk_token_id"],
-                                     bool(get("tokenizer.ggml.add_space_prefix", True)))
+            hf = _gguf_sentencepiece(
+                tokens,
+                types,
+                scores,
+                common["unk_token_id"],
+                bool(get("tokenizer.ggml.add_space_prefix", True)),
+            )
             pre = "sentencepiece"
             # Older files carry no flag, and llama.cpp adds BOS to SentencePiece vocabularies.
             add_bos = bool(get("tokenizer.ggml.add_bos_token", True))
             tok = cls(hf, byte_level=False, add_bos_token=add_bos, **common)
         else:
-            raise ValueError(f"{path}: tokenizer.ggml.model {model_type!r} is not supported "
-                             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
-        logger.info("tokenizer from GGUF: model=%s pre=%s vocab=%d bos=%s eos=%s add_bos=%s",
-                    model_type, pre, tok.vocab_size, tok.bos_token, tok.eos_token,
-                    tok.add_bos_token)
+            raise ValueError(
+                f"{path}: tokenizer.ggml.model {model_type!r} is not supported "
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
+            )
+        logger.info(
+            "tokenizer from GGUF: model=%s pre=%s vocab=%d bos=%s eos=%s add_bos=%s",
+            model_type,
+            pre,
+            tok.vocab_size,
+            tok.bos_token,
+            tok.eos_token,
+            tok.add_bos_token,
+        )
         return tok
 
     @classmethod
@@ -302,7 +380,9 @@ class Tokenizer:
         """From a Hugging Face model dir: tokenizer.json + tokenizer_config.json."""
         d = Path(directory)
         if not (d / "tokenizer.json").is_file():
-            raise ValueError(f"{d}: no tokenizer.json (only fast-tokenizer checkpoints are supported)")
+            raise ValueError(
+                f"{d}: no tokenizer.json (only fast-tokenizer checkpoints are supported)"
+            )
         hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
         config = _read_json(d / "tokenizer_config.json")
 
@@ -323,22 +403,39 @@ class Tokenizer:
         gen = _read_json(d / "generation_config.json")
         gen_eos = gen.get("eos_token_id", [])
         gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        tok = cls(hf, byte_level=_has_byte_level_decoder(hf), bos_token_id=bos,
-                  eos_token_id=eos, add_bos_token=add_bos,
-                  add_eos_token=bool(config.get("add_eos_token", False)), eos_token_ids=gen_eos,
-                  pad_token_id=special_id("pad_token"), unk_token_id=special_id("unk_token"),
-                  chat_template=_hf_chat_template(d, config), source=str(d))
-        logger.info("tokenizer from %s: vocab=%d bos=%s eos=%s add_bos=%s", d, tok.vocab_size,
-                    tok.bos_token, tok.eos_token, tok.add_bos_token)
+        tok = cls(
+            hf,
+            byte_level=_has_byte_level_decoder(hf),
+            bos_token_id=bos,
+            eos_token_id=eos,
+            add_bos_token=add_bos,
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            eos_token_ids=gen_eos,
+            pad_token_id=special_id("pad_token"),
+            unk_token_id=special_id("unk_token"),
+            chat_template=_hf_chat_template(d, config),
+            source=str(d),
+        )
+        logger.info(
+            "tokenizer from %s: vocab=%d bos=%s eos=%s add_bos=%s",
+            d,
+            tok.vocab_size,
+            tok.bos_token,
+            tok.eos_token,
+            tok.add_bos_token,
+        )
         return tok
 
 
-def _gguf_byte_level(tokens: list[str], types: list[int], merges: list[str],
-                     pre: str | None) -> tuple[HFTokenizer, str]:
+def _gguf_byte_level(
+    tokens: list[str], types: list[int], merges: list[str], pre: str | None
+) -> tuple[HFTokenizer, str]:
     family = _PRE_TOKENIZERS.get(pre or "default")
     if family is None:
-        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported "
-                         f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})")
+        raise ValueError(
+            f"tokenizer.ggml.pre {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
     if pre in (None, "default"):
         logger.warning("GGUF names no tokenizer.ggml.pre; splitting text as GPT-2 does")
     alphabet = _byte_decoder()
@@ -357,12 +454,20 @@ def _gguf_byte_level(tokens: list[str], types: list[int], merges: list[str],
     return hf, pre or "default"
 
 
-def _gguf_sentencepiece(tokens: list[str], types: list[int], scores: list[float],
-                        unk_id: int | None, add_space_prefix: bool) -> HFTokenizer:
+def _gguf_sentencepiece(
+    tokens: list[str],
+    types: list[int],
+    scores: list[float],
+    unk_id: int | None,
+    add_space_prefix: bool,
+) -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = tokens[unk_id] if unk_id is not None else None
-    hf = HFTokenizer(models.BPE(vocab, _spm_merges(tokens, scores), unk_token=unk,
-                                byte_fallback=True, fuse_unk=True))
+    hf = HFTokenizer(
+        models.BPE(
+            vocab, _spm_merges(tokens, scores), unk_token=unk, byte_fallback=True, fuse_unk=True
+        )
+    )
     steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
     hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
     dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -376,8 +481,11 @@ def _gguf_sentencepiece(tokens: list[str], types: list[int], scores: list[float]
 def _add_gguf_special_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     # NOTE: llama.cpp matches both CONTROL and USER_DEFINED tokens whole in text; only CONTROL
     # ones are hidden when detokenizing without specials, so only they are `special` here.
-    added = [AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
     special = [a for a in added if a.special]
     plain = [a for a in added if not a.special]
     if special:
@@ -396,7 +504,9 @@ def _read_json(path: Path) -> dict:
 def _hf_chat_template(d: Path, config: dict) -> str | None:
     if (d / "chat_template.jinja").is_file():
         return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    template = _read_json(d / "chat_template.json").get("chat_template", config.get("chat_template"))
+    template = _read_json(d / "chat_template.json").get(
+        "chat_template", config.get("chat_template")
+    )
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
@@ -410,6 +520,7 @@ def _has_byte_level_decoder(hf: HFTokenizer) -> bool:
         if isinstance(node, list):
             return any(walk(v) for v in node)
         return False
+
     return walk(json.loads(hf.to_str()).get("decoder"))
 
 
@@ -430,8 +541,9 @@ class IncrementalDetokenizer:
 
     def push(self, ids: Iterable[int]) -> str:
         tok = self._tok
-        data = b"".join(tok.token_bytes(i) for i in ids
-                        if not (self._skip and i in tok._special_set))
+        data = b"".join(
+            tok.token_bytes(i) for i in ids if not (self._skip and i in tok._special_set)
+        )
         return self._utf8.decode(data) if data else ""
 
     def flush(self) -> str:

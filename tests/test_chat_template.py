@@ -10,16 +10,22 @@ from freetoken.errors import FreeTokenError, InvalidRequest
 from freetoken.tokenizer import Tokenizer
 
 CONVERSATIONS = {
-    "system+user": [{"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": "What is 2+2?"}],
+    "system+user": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+    ],
     "user only": [{"role": "user", "content": "Hello! 😀 你好"}],
-    "multi-turn": [{"role": "system", "content": "Be kind."},
-                   {"role": "user", "content": "Hi"},
-                   {"role": "assistant", "content": "Hello, how can I help?"},
-                   {"role": "user", "content": "Write 42 in JSON: {\"n\": 42}"}],
+    "multi-turn": [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": 'Write 42 in JSON: {"n": 42}'},
+    ],
     "markers in content": [{"role": "user", "content": "say <|im_end|> literally\n\n"}],
-    "none content": [{"role": "user", "content": "q"},
-                     {"role": "assistant", "content": "a", "tool_calls": None}],
+    "none content": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "tool_calls": None},
+    ],
 }
 
 
@@ -31,8 +37,9 @@ def tok(smollm2_path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_tok(smollm2_path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
-                                                      gguf_file=smollm2_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name
+    )
 
 
 @pytest.mark.real_model
@@ -41,11 +48,13 @@ def hf_tok(smollm2_path):
 def test_smollm2_template_matches_transformers(tok, hf_tok, name, add_generation_prompt):
     messages = CONVERSATIONS[name]
     text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == hf_tok.apply_chat_template(messages, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)
+    assert text == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
-    assert ids == hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                             add_generation_prompt=add_generation_prompt)
+    assert ids == hf_tok.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
+    )
     assert ids == tok.encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids[1] != 1  # <|im_start|> (also SmolLM2's BOS) once, never twice
     assert text.endswith("<|im_start|>assistant\n") is add_generation_prompt
@@ -54,27 +63,40 @@ def test_smollm2_template_matches_transformers(tok, hf_tok, name, add_generation
 @pytest.mark.real_model
 def test_smollm2_default_system_prompt(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-                    "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+        "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
-BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
-                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+BOS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 def test_bos_rendered_by_the_template_only(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(
-        sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    vocab = {
+        "<s>": 0,
+        "</s>": 1,
+        **{c: i + 2 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+    }
     hf = HFTokenizer(models.BPE(vocab, []))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens(["<s>", "</s>"])
-    tok = Tokenizer(hf, byte_level=True, bos_token_id=0, eos_token_id=1, add_bos_token=True,
-                    chat_template=BOS_TEMPLATE)
+    tok = Tokenizer(
+        hf,
+        byte_level=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        add_bos_token=True,
+        chat_template=BOS_TEMPLATE,
+    )
     messages = [{"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(messages)
     assert text == "<s>[user] hi</s>[assistant] "
@@ -84,21 +106,30 @@ def test_bos_rendered_by_the_template_only(tmp_path):
 
 
 def test_trim_and_lstrip_blocks_like_transformers():
-    template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n"
-                "U:{{ m['content'] }}\n    {% endif %}\n{% endfor %}")
+    template = (
+        "{% for m in messages %}\n    {% if m['role'] == 'user' %}\n"
+        "U:{{ m['content'] }}\n    {% endif %}\n{% endfor %}"
+    )
     assert render_chat_template(template, [{"role": "user", "content": "x"}]) == "U:x\n"
 
 
 def test_helpers_tojson_strftime_namespace_loopcontrols():
-    template = ("{{ messages[0] | tojson }}|{{ tools | tojson(indent=None, sort_keys=True) }}|"
-                "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 1 %}"
-                "{% break %}{% endif %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|"
-                "{{ strftime_now('%Y') | length }}|{{ dict(a=1) }}|{{ enable_thinking }}|"
-                "{% generation %}g{% endgeneration %}")
-    out = render_chat_template(template, [{"role": "user", "content": "é<b>"}, {"role": "x"}],
-                               tools=[{"b": 1, "a": "<"}], enable_thinking=False)
-    assert out == ('{"role": "user", "content": "é<b>"}|[{"a": "<", "b": 1}]|1|4|'
-                   "{'a': 1}|False|g")
+    template = (
+        "{{ messages[0] | tojson }}|{{ tools | tojson(indent=None, sort_keys=True) }}|"
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 1 %}"
+        "{% break %}{% endif %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|"
+        "{{ strftime_now('%Y') | length }}|{{ dict(a=1) }}|{{ enable_thinking }}|"
+        "{% generation %}g{% endgeneration %}"
+    )
+    out = render_chat_template(
+        template,
+        [{"role": "user", "content": "é<b>"}, {"role": "x"}],
+        tools=[{"b": 1, "a": "<"}],
+        enable_thinking=False,
+    )
+    assert out == (
+        '{"role": "user", "content": "é<b>"}|[{"a": "<", "b": 1}]|1|4|{\'a\': 1}|False|g'
+    )
 
 
 def test_raise_exception_is_a_400_naming_messages():
@@ -116,20 +147,25 @@ def test_no_template_is_a_400():
 
 def test_template_failing_on_content_is_a_400():
     with pytest.raises(ChatTemplateError, match="TypeError"):
-        render_chat_template("{{ 'x' + messages[0]['content'] }}",
-                             [{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+        render_chat_template(
+            "{{ 'x' + messages[0]['content'] }}",
+            [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        )
 
 
-@pytest.mark.parametrize("template", [
-    "{{ ''.__class__.__mro__ }}",
-    "{{ ''.__class__ }}",
-    "{% if ''.__class__ %}x{% endif %}",
-    "{{ messages.__class__.__base__.__subclasses__() }}",
-    "{{ raise_exception.__globals__ }}",
-    "{{ cycler.__init__.__globals__.os }}",
-    "{{ (messages|first).pop() }}",  # the immutable sandbox: no mutating the caller's data
-    "{% set ns = namespace(_x=1) %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ ''.__class__ }}",
+        "{% if ''.__class__ %}x{% endif %}",
+        "{{ messages.__class__.__base__.__subclasses__() }}",
+        "{{ raise_exception.__globals__ }}",
+        "{{ cycler.__init__.__globals__.os }}",
+        "{{ (messages|first).pop() }}",  # the immutable sandbox: no mutating the caller's data
+        "{% set ns = namespace(_x=1) %}",
+    ],
+)
 def test_sandbox_refuses_escapes(template):
     with pytest.raises((BadChatTemplate, ChatTemplateError)) as info:
         render_chat_template(template, [{"role": "user", "content": "x"}])
@@ -140,8 +176,10 @@ def test_sandbox_refuses_escapes(template):
 def test_attribute_escape_message_is_clear():
     with pytest.raises(BadChatTemplate) as info:
         render_chat_template("{{ ''.__class__.__mro__ }}", [])
-    assert str(info.value) == ("the chat template was stopped by the sandbox: access to "
-                               "attribute '__class__' of 'str' object is unsafe")
+    assert str(info.value) == (
+        "the chat template was stopped by the sandbox: access to "
+        "attribute '__class__' of 'str' object is unsafe"
+    )
     assert info.value.status == 500
 
 

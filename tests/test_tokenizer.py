@@ -14,36 +14,134 @@ from hypothesis import strategies as st
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
 
 BASE = [
-    "", " ", "  ", "   ", "\n", "\n\n", "\t", " \t\n ", "\r\n", "a", "Hello", " Hello", "Hello world",
-    "Hello, world!", "hello   world", "  leading", "trailing  ", "tabs\tand\tspaces", "line1\nline2\n\nline4",
-    "CRLF\r\nline", "multiple\n\n\n\nnewlines", "   \n   \n", "I'm sure you're right, they've said we'll go.",
-    "DON'T SHOUT", "it's 5 o'clock", "42", "3.14159", "1,000,000", "2024-01-15", "12:30:45", "x = 10 ** 20",
-    "version 1.2.3-rc4", "phone: +1 (555) 123-4567", "0xDEADBEEF", "1e-9", "³²¹", "½ cup", "Ⅻ", "٣٤٥",
-    "def f(x):\n    return x * 2\n", "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
-    "import numpy as np\nnp.zeros((3, 4))", "if __name__ == '__main__':\n    main()",
-    "    indented code\n        more", "#include <stdio.h>", "SELECT * FROM users WHERE id = 7;",
-    '{"key": "value", "n": 12, "list": [1, 2, 3], "nested": {"a": null}}', '{"a":1,"b":[true,false]}',
-    "[1,2,3]", "<html><body><p class=\"x\">Hi</p></body></html>", "https://example.com/path?q=1&r=two#frag",
-    "http://localhost:8000/v1/chat/completions", "user@example.org", "C:\\Users\\name\\file.txt",
-    "café naïve résumé", "Ärger über Öl", "São Paulo", "Ελληνικά", "Русский текст", "עברית", "العربية",
-    "हिन्दी", "ไทย", "你好，世界！", "日本語のテキスト", "한국어 문장", "中文 and English mixed",
-    "emoji 😀🎉👍", "👨‍👩‍👧‍👦 family", "🇫🇷 flag", "❤️‍🔥", "🤖 robots", "mixed 😀 with 你好 and 123",
-    "<|im_start|>", "<|im_end|>", "<|im_start|>user\nHi<|im_end|>\n", "<|endoftext|>", "text<|im_end|>more",
-    "< |im_start| >", "<|im_start", "im_start|>", "<repo_name>x<file_sep>", "<jupyter_code>print(1)",
-    "$$\\int_0^1 x^2 dx$$", "a+b=c; d-e*f/g", "!!!???...", "— em dash – en dash", "“smart quotes” ‘single’",
-    "ellipsis…", "non\u00a0breaking", "zero\u200bwidth", "\u3000ideographic space", "tab\t\tdouble",
-    "The quick brown fox jumps over the lazy dog.", "ALL CAPS SENTENCE", "camelCaseIdentifier",
-    "snake_case_identifier", "kebab-case-id", "   42  ", "  7", "\n\n42", "a  1", "x\t\t9", "abc123def456",
-    "2 + 2 = 4", "price: $19.99", "100%", "#1 best", "@user123", "v2", "  ", "'s'''t", "Ǆ ǅ ǆ",
-    "\x00null\x01", "\u2028line sep", "ﬁ ligature", "Ａｂｃ fullwidth", "😀" * 5, "a" * 100,
-    " ".join(str(i) for i in range(30)), "\n".join(["row"] * 5),
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\t",
+    " \t\n ",
+    "\r\n",
+    "a",
+    "Hello",
+    " Hello",
+    "Hello world",
+    "Hello, world!",
+    "hello   world",
+    "  leading",
+    "trailing  ",
+    "tabs\tand\tspaces",
+    "line1\nline2\n\nline4",
+    "CRLF\r\nline",
+    "multiple\n\n\n\nnewlines",
+    "   \n   \n",
+    "I'm sure you're right, they've said we'll go.",
+    "DON'T SHOUT",
+    "it's 5 o'clock",
+    "42",
+    "3.14159",
+    "1,000,000",
+    "2024-01-15",
+    "12:30:45",
+    "x = 10 ** 20",
+    "version 1.2.3-rc4",
+    "phone: +1 (555) 123-4567",
+    "0xDEADBEEF",
+    "1e-9",
+    "³²¹",
+    "½ cup",
+    "Ⅻ",
+    "٣٤٥",
+    "def f(x):\n    return x * 2\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
+    "import numpy as np\nnp.zeros((3, 4))",
+    "if __name__ == '__main__':\n    main()",
+    "    indented code\n        more",
+    "#include <stdio.h>",
+    "SELECT * FROM users WHERE id = 7;",
+    '{"key": "value", "n": 12, "list": [1, 2, 3], "nested": {"a": null}}',
+    '{"a":1,"b":[true,false]}',
+    "[1,2,3]",
+    '<html><body><p class="x">Hi</p></body></html>',
+    "https://example.com/path?q=1&r=two#frag",
+    "http://localhost:8000/v1/chat/completions",
+    "user@example.org",
+    "C:\\Users\\name\\file.txt",
+    "café naïve résumé",
+    "Ärger über Öl",
+    "São Paulo",
+    "Ελληνικά",
+    "Русский текст",
+    "עברית",
+    "العربية",
+    "हिन्दी",
+    "ไทย",
+    "你好，世界！",
+    "日本語のテキスト",
+    "한국어 문장",
+    "中文 and English mixed",
+    "emoji 😀🎉👍",
+    "👨‍👩‍👧‍👦 family",
+    "🇫🇷 flag",
+    "❤️‍🔥",
+    "🤖 robots",
+    "mixed 😀 with 你好 and 123",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "<|endoftext|>",
+    "text<|im_end|>more",
+    "< |im_start| >",
+    "<|im_start",
+    "im_start|>",
+    "<repo_name>x<file_sep>",
+    "<jupyter_code>print(1)",
+    "$$\\int_0^1 x^2 dx$$",
+    "a+b=c; d-e*f/g",
+    "!!!???...",
+    "— em dash – en dash",
+    "“smart quotes” ‘single’",
+    "ellipsis…",
+    "non\u00a0breaking",
+    "zero\u200bwidth",
+    "\u3000ideographic space",
+    "tab\t\tdouble",
+    "The quick brown fox jumps over the lazy dog.",
+    "ALL CAPS SENTENCE",
+    "camelCaseIdentifier",
+    "snake_case_identifier",
+    "kebab-case-id",
+    "   42  ",
+    "  7",
+    "\n\n42",
+    "a  1",
+    "x\t\t9",
+    "abc123def456",
+    "2 + 2 = 4",
+    "price: $19.99",
+    "100%",
+    "#1 best",
+    "@user123",
+    "v2",
+    "  ",
+    "'s'''t",
+    "Ǆ ǅ ǆ",
+    "\x00null\x01",
+    "\u2028line sep",
+    "ﬁ ligature",
+    "Ａｂｃ fullwidth",
+    "😀" * 5,
+    "a" * 100,
+    " ".join(str(i) for i in range(30)),
+    "\n".join(["row"] * 5),
 ]
 # Longer, mixed documents and combinations give the few hundred.
 PARAGRAPHS = [
     "FreeToken serves real checkpoints, so its numbers must be the model's numbers.",
     "Les élèves étudient à l'école depuis 8h30 jusqu'à 16h.",
     "東京は日本の首都です。人口は約1400万人です。",
-    "def add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n    return a + b\n",
+    'def add(a: int, b: int) -> int:\n    """Add."""\n    return a + b\n',
     '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi 👋"}], "max_tokens": 16}',
     "Visit https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct for details.",
 ]
@@ -82,8 +180,9 @@ def tok(smollm2_path) -> Tokenizer:
 def hf_tok(smollm2_path):
     """transformers' tokenizer from the same GGUF (slow to build: once per session)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
-                                                      gguf_file=smollm2_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +193,12 @@ def reference_tok(hf_tok):
     from tokenizers import pre_tokenizers
 
     ref = HFTokenizer.from_str(hf_tok.backend_tokenizer.to_str())
-    ref.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    ref.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     return ref
 
 
@@ -155,8 +257,10 @@ def test_token_bytes(tok):
         ids = tok.encode(s)
         assert b"".join(tok.token_bytes(i) for i in ids) == s.encode("utf-8")
     emoji = tok.encode("😀")
-    assert len(emoji) > 1 and tok.token_bytes(emoji[0]) == "😀".encode()[:len(
-        tok.token_bytes(emoji[0]))]
+    assert (
+        len(emoji) > 1
+        and tok.token_bytes(emoji[0]) == "😀".encode()[: len(tok.token_bytes(emoji[0]))]
+    )
 
 
 def test_encode_is_fast(tok):
@@ -171,8 +275,12 @@ def test_encode_is_fast(tok):
     assert per_call_ms < 5.0, per_call_ms  # ~0.4 ms alone; generous for a loaded 2-core box
 
 
-STREAM_TEXTS = ["😀🎉👍 emoji 👨‍👩‍👧‍👦 and 🇫🇷", "東京は日本の首都です。人口は約1400万人です。",
-                "한국어 문장 ❤️‍🔥 العربية हिन्दी", "mixed 😀 with 你好 and 123 ﬁ Ａｂｃ"]
+STREAM_TEXTS = [
+    "😀🎉👍 emoji 👨‍👩‍👧‍👦 and 🇫🇷",
+    "東京は日本の首都です。人口は約1400万人です。",
+    "한국어 문장 ❤️‍🔥 العربية हिन्दी",
+    "mixed 😀 with 你好 and 123 ﬁ Ａｂｃ",
+]
 
 
 @pytest.mark.parametrize("text", STREAM_TEXTS)
@@ -192,7 +300,7 @@ def test_incremental_detokenizer_one_id_at_a_time(tok, text):
 def test_incremental_detokenizer_specials_and_chunks(tok):
     ids = tok.encode("<|im_start|>assistant\n日本語😀<|im_end|>")
     skip, keep = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok, skip_special_tokens=False)
-    out_skip = "".join(skip.push(ids[k:k + 3]) for k in range(0, len(ids), 3)) + skip.flush()
+    out_skip = "".join(skip.push(ids[k : k + 3]) for k in range(0, len(ids), 3)) + skip.flush()
     out_keep = "".join(keep.push([i]) for i in ids) + keep.flush()
     assert out_skip == tok.decode(ids) == "assistant\n日本語😀"
     assert out_keep == tok.decode(ids, skip_special_tokens=False)
@@ -216,8 +324,9 @@ def _present_bytes(tok: Tokenizer) -> set[int]:
     """The bytes with a token of their own. SmolLM2's vocabulary lacks 21 of the 256 (0x04, 0xF1,
     ...): text using them loses those bytes, in transformers and llama.cpp alike."""
     if not hasattr(tok, "_test_present_bytes"):
-        tok._test_present_bytes = {tok.token_bytes(i)[0] for i in range(17, tok.vocab_size)
-                                   if len(tok.token_bytes(i)) == 1}
+        tok._test_present_bytes = {
+            tok.token_bytes(i)[0] for i in range(17, tok.vocab_size) if len(tok.token_bytes(i)) == 1
+        }
     return tok._test_present_bytes
 
 
@@ -249,16 +358,23 @@ def _write_hf_dir(path, *, add_bos_token=True, post_processor_bos=False, chat_te
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     corpus = ["hello world", "the quick brown fox", "tokenizers are fun", "日本語 😀"] * 20
     hf.train_from_iterator(corpus, trainer)
     if post_processor_bos:  # what transformers writes into a tokenizer.json for add_bos_token
-        hf.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                          special_tokens=[("<s>", 0)])
+        hf.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+        )
     hf.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>",
-              "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}, "pad_token": "<pad>"}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+        "pad_token": "<pad>",
+    }
     if add_bos_token is not None:
         config["add_bos_token"] = add_bos_token
     if chat_template is not None:
@@ -270,7 +386,12 @@ def _write_hf_dir(path, *, add_bos_token=True, post_processor_bos=False, chat_te
 
 def test_hf_dir_adds_bos_only_when_allowed(tmp_path):
     tok = Tokenizer.from_hf_dir(_write_hf_dir(tmp_path))
-    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == ("<s>", 0, "</s>", 1)
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == (
+        "<s>",
+        0,
+        "</s>",
+        1,
+    )
     assert tok.add_bos_token is True and tok.byte_level
     plain = tok.encode("hello world", add_special_tokens=False)
     assert plain and plain[0] != 0
@@ -289,8 +410,9 @@ def test_hf_dir_add_bos_token_false(tmp_path):
 
 @pytest.mark.parametrize("post_processor_bos", [True, False])
 def test_hf_dir_without_flag_follows_the_post_processor(tmp_path, post_processor_bos):
-    tok = Tokenizer.from_hf_dir(_write_hf_dir(tmp_path, add_bos_token=None,
-                                              post_processor_bos=post_processor_bos))
+    tok = Tokenizer.from_hf_dir(
+        _write_hf_dir(tmp_path, add_bos_token=None, post_processor_bos=post_processor_bos)
+    )
     assert tok.add_bos_token is post_processor_bos
     assert (tok.encode("hello")[0] == 0) is post_processor_bos
     assert tok.encode("hello", add_special_tokens=False)[0] != 0
@@ -300,8 +422,12 @@ def test_hf_dir_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     # NOTE: transformers 5 ignores tokenizer_config's add_bos_token when there is a tokenizer.json
     # and follows its post-processor; real checkpoints agree on both, as this one does.
-    d = _write_hf_dir(tmp_path, post_processor_bos=True, chat_template="{{ bos_token }}{% for m in messages %}"
-                      "{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}")
+    d = _write_hf_dir(
+        tmp_path,
+        post_processor_bos=True,
+        chat_template="{{ bos_token }}{% for m in messages %}"
+        "{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}",
+    )
     ours = Tokenizer.from_hf_dir(d)
     theirs = transformers.AutoTokenizer.from_pretrained(str(d))
     for s in ["hello world", " the quick  brown fox 42", "日本語 😀", ""]:
@@ -311,7 +437,8 @@ def test_hf_dir_matches_transformers(tmp_path):
     text = ours.apply_chat_template(msgs, add_generation_prompt=False)
     assert text == theirs.apply_chat_template(msgs, tokenize=False) == "<s>user: hello</s>"
     assert ours.encode_chat(msgs, add_generation_prompt=False) == theirs.apply_chat_template(
-        msgs, tokenize=True, return_dict=False)
+        msgs, tokenize=True, return_dict=False
+    )
     assert ours.encode_chat(msgs).count(0) == 1  # the template's BOS only
 
 
