@@ -445,3 +445,181 @@ def test_hf_dir_matches_transformers(tmp_path):
 def test_hf_dir_needs_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# ---- synthetic GGUFs: every supported pre-tokenizer and SentencePiece, built in tmp_path ------
+
+_CORPUS = [
+    "hello world 12345 the quick brown fox",
+    "I'm here, you're there; THEY'VE gone.",
+    "def f(x):\n    return x + 1\n",
+    "日本語のテキスト 😀🎉 café",
+    "  spaces   and\ttabs\n\n",
+    "1,000,000 and 3.14",
+] * 20
+_PROBES = [*_CORPUS[:6], "   42  x", "HELLO'S x2", "\n\n\n  7", "", "a\nb", "é😀"]
+# The split regexes as the models' own tokenizer.json files spell them.
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3 = _QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def _original_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm")
+    )
+    if pre == "gpt-2":
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3}[pre]
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), byte_level])
+
+
+def _write_gguf(path, tokens, types, *, model, pre=None, merges=None, scores=None, **flags):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, value in flags.items():
+        getattr(w, f"add_{name}")(value)
+    for key, value in [
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("block_count", 1),
+        ("head_count", 1),
+        ("feed_forward_length", 16),
+    ]:
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _byte_level_gguf(tmp_path, pre):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    original = HFTokenizer(models.BPE(ignore_merges=pre == "llama-bpe"))
+    original.pre_tokenizer = _original_pre_tokenizer(pre)
+    original.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    original.train_from_iterator(_CORPUS, trainer)
+    model = json.loads(original.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    types = [3, 3, 3, 4] + [1] * (len(tokens) - 4)  # <think> is USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    path = _write_gguf(
+        tmp_path / f"{pre}.gguf",
+        tokens,
+        types,
+        model="gpt2",
+        pre=pre,
+        merges=merges,
+        add_bos_token=True,
+    )
+    return original, path
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+def test_gguf_pre_tokenizers_match_the_original_tokenizer(tmp_path, pre):
+    original, path = _byte_level_gguf(tmp_path, pre)
+    tok = Tokenizer.from_gguf(path)
+    assert tok.add_bos_token and tok.bos_token == "<|im_start|>"
+    for s in _PROBES:
+        ids = tok.encode(s, add_special_tokens=False)
+        assert ids == original.encode(s, add_special_tokens=False).ids, (pre, s)
+        assert tok.encode(s) == [1, *ids]
+        assert tok.decode(ids) == s
+    ids = tok.encode("<think>hi<|im_end|>", add_special_tokens=False)
+    assert (ids[0], ids[-1]) == (3, 2)
+    assert tok.all_special_ids == [0, 1, 2]  # USER_DEFINED: matched whole, but not special
+    assert tok.decode(tok.encode("<think>x<|im_end|>")) == "<think>x"
+
+
+def test_gguf_pre_tokenizers_match_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    for pre in ["gpt-2", "qwen2", "llama-bpe"]:  # "smollm": see the digit-split tests above
+        _, path = _byte_level_gguf(tmp_path, pre)
+        ours = Tokenizer.from_gguf(path)
+        theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        for s in _PROBES:
+            assert ours.encode(s, False) == theirs.encode(s, add_special_tokens=False), (pre, s)
+
+
+def test_gguf_unknown_pre_tokenizer_is_refused(tmp_path):
+    path = _write_gguf(
+        tmp_path / "x.gguf",
+        ["a", "<s>", "</s>"],
+        [1, 3, 3],
+        model="gpt2",
+        pre="no-such-pre",
+        merges=[],
+    )
+    with pytest.raises(ValueError, match="no-such-pre"):
+        Tokenizer.from_gguf(path)
+
+
+def _sentencepiece_gguf(tmp_path):
+    from tokenizers import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer(add_prefix_space=True)
+    sp.train_from_iterator(_CORPUS, vocab_size=300, special_tokens=["<unk>"], show_progress=False)
+    vocab = json.loads(sp.to_str())["model"]["vocab"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types, scores = [2, 3, 3] + [6] * 256, [0.0] * len(tokens)
+    for piece in sorted(vocab, key=vocab.get):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(vocab[piece]))
+    return _write_gguf(
+        tmp_path / "spm.gguf", tokens, types, model="llama", scores=scores, unk_token_id=0
+    )
+
+
+def test_gguf_sentencepiece_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = _sentencepiece_gguf(tmp_path)
+    tok = Tokenizer.from_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert tok.add_bos_token and not tok.byte_level  # no flag: SentencePiece adds BOS
+    for s in _PROBES:
+        ids = tok.encode(s)
+        assert ids[0] == 1 and tok.decode(ids) == s
+        if not s[:1].isspace():
+            assert ids == theirs.encode(s), s
+    # NOTE: text starting with a space. llama.cpp (and SentencePiece's dummy prefix, and Llama 2's
+    # tokenizer.json) always prepend "▁"; transformers' GGUF Metaspace skips it then.
+    ours, hf = tok.encode(" lead", False), theirs.encode(" lead", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ours][:2] == ["▁", "▁"]
+    assert ours[1:] == hf
+    emoji = tok.encode("😀", False)
+    assert b"".join(tok.token_bytes(i) for i in emoji) == " 😀".encode()
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push([i]) for i in tok.encode("日本語 😀")) + detok.flush()
+    assert streamed == " 日本語 😀"  # keeps the leading space decode() strips (see its NOTE)
