@@ -64,7 +64,7 @@ def _fingerprint(path: Path, files: list[Path], config: ModelConfig, dtype: torc
     return h.digest()
 
 
-def _load_tokenizer(path: Path, is_gguf: bool):
+def _load_tokenizer(source, is_gguf: bool):
     try:
         from freetoken.tokenizer import Tokenizer
     except ModuleNotFoundError as exc:
@@ -72,7 +72,7 @@ def _load_tokenizer(path: Path, is_gguf: bool):
             raise
         logger.warning("freetoken.tokenizer is not available yet; loaded.tokenizer is None")
         return None
-    return Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf(source) if is_gguf else Tokenizer.from_hf_dir(source)
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
@@ -85,19 +85,22 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         raise FileNotFoundError(f"model path {path} does not exist")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if is_gguf:
-        from freetoken.loader.gguf import load_gguf
-        config, weights = load_gguf(path, progress=progress)
+        from freetoken.loader.gguf import load_gguf, open_gguf
+        reader = open_gguf(path)
+        config, weights = load_gguf(reader, progress=progress)
+        tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
+        del reader
         files = [path]
     elif path.is_dir():
         from freetoken.loader.safetensors import load_safetensors, weight_files
         config, weights = load_safetensors(path, progress=progress)
+        tokenizer = _load_tokenizer(path, is_gguf) if load_tokenizer else None
         files = weight_files(path)
     else:
         raise ValueError(f"model path {path} is neither a .gguf file nor a directory with "
                          f"config.json and *.safetensors")
     model = build_model(config, weights, dtype=dtype, device=device)
     del weights
-    tokenizer = _load_tokenizer(path, is_gguf) if load_tokenizer else None
     num_params = sum(p.numel() for p in model.parameters())
     elapsed_s = time.perf_counter() - start
     logger.info("loaded %s: arch=%s params=%.1fM dtype=%s device=%s vocab=%d context=%d "

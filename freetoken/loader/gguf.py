@@ -95,9 +95,10 @@ def read_config(reader) -> ModelConfig:
         raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos_ids:
-        eos_ids.append(int(eot))
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _field(reader, key)
+        if extra is not None and int(extra) not in eos_ids:
+            eos_ids.append(int(extra))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         arch=GGUF_ARCHS[gguf_arch],
@@ -131,11 +132,20 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read metadata and dequantise every tensor. Weights come back fp32, keyed by HF names."""
-    import gguf  # heavy-ish import, only when a GGUF is actually loaded
+def open_gguf(path: str | Path):
+    """A gguf.GGUFReader (parsing the metadata takes seconds: open once, share with the
+    tokenizer)."""
+    import gguf  # only when a GGUF is actually loaded
 
-    reader = gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(str(path))
+
+
+def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read metadata and dequantise every tensor of `source` (a path or an open GGUFReader).
+    Weights come back fp32, keyed by HF names."""
+    import gguf
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     config = read_config(reader)
     # NOTE: only the llama converter permutes q/k (for llama.cpp's RoPE layout); qwen2/qwen3
     # GGUFs keep HF's row order (llama.cpp uses NEOX-style RoPE for them).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.model.config import ModelConfig
-from freetoken.model.llama import LlamaForCausalLM, rope_inv_freq
+from freetoken.model.llama import LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
 
@@ -15,14 +15,10 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
                 device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
-    Built on the meta device (no random init of parameters that are overwritten anyway), then
-    materialised on `device` in `dtype` and filled from HF-named `weights`.
+    Built on the meta device (no random init), then each parameter is replaced by its HF-named
+    tensor from `weights` (consumed), on `device` in `dtype`.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
-    # NOTE: to_empty leaves buffers uninitialised and .to(dtype) would round them; RoPE
-    # frequencies stay fp32, as in transformers.
-    model.inv_freq = rope_inv_freq(config).to(device)
-    model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model.load_weights(weights, dtype=dtype, device=device)
+    return model.eval()

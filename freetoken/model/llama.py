@@ -176,10 +176,12 @@ class LlamaForCausalLM(nn.Module):
                        c.hidden_size, w.dtype, w.device)
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) in, fusing q/k/v
-        and gate/up. Raises ValueError naming any missing, unexpected or misshapen tensor."""
-        weights = dict(weights)
+    def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device | str) -> None:
+        """Install HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...), fusing q/k/v
+        and gate/up, on a model built on the meta device. Consumes `weights` (pops each tensor as
+        it is used, so peak memory stays near one copy of the model). Raises ValueError naming any
+        missing, unexpected or misshapen tensor."""
         if self.lm_head is None:
             weights.pop("lm_head.weight", None)
 
@@ -188,41 +190,42 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return weights.pop(name)
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(value)
+        def put(module: nn.Module, attr: str, names: list[str]) -> None:
+            parts = [take(n) for n in names]
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+            expected = getattr(module, attr).shape
+            if tuple(value.shape) != tuple(expected):
+                raise ValueError(f"tensor {names[0]!r} has shape {tuple(parts[0].shape)}; the "
+                                 f"config implies {tuple(expected)} (fused over {len(names)})")
+            value = value.to(device=device, dtype=dtype).contiguous()
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens")
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        put(self.embed_tokens, "weight", ["model.embed_tokens.weight"])
+        put(self.norm, "weight", ["model.norm.weight"])
         if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            put(self.lm_head, "weight", ["lm_head.weight"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_ln")
-            put(layer.post_attention_layernorm.weight,
-                take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            put(attn.qkv_proj.weight, torch.cat(qkv, 0), p + "self_attn.qkv_proj.weight")
+            put(layer.input_layernorm, "weight", [p + "input_layernorm.weight"])
+            put(layer.post_attention_layernorm, "weight", [p + "post_attention_layernorm.weight"])
+            put(attn.qkv_proj, "weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if attn.qkv_proj.bias is not None:
-                qkv_b = [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-                put(attn.qkv_proj.bias, torch.cat(qkv_b, 0), p + "self_attn.qkv_proj.bias")
-            put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
+                put(attn.qkv_proj, "bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            put(attn.o_proj, "weight", [p + "self_attn.o_proj.weight"])
             if attn.o_proj.bias is not None:
-                put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
+                put(attn.o_proj, "bias", [p + "self_attn.o_proj.bias"])
             if attn.q_norm is not None:
-                put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "q_norm")
-                put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "k_norm")
-            gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(mlp.gate_up_proj.weight, torch.cat(gate_up, 0), p + "mlp.gate_up_proj.weight")
-            put(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
+                put(attn.q_norm, "weight", [p + "self_attn.q_norm.weight"])
+                put(attn.k_norm, "weight", [p + "self_attn.k_norm.weight"])
+            put(mlp.gate_up_proj, "weight", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            put(mlp.down_proj, "weight", [p + "mlp.down_proj.weight"])
             if mlp.down_proj.bias is not None:
-                gate_up_b = [take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]
-                put(mlp.gate_up_proj.bias, torch.cat(gate_up_b, 0), p + "mlp.gate_up_proj.bias")
-                put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+                put(mlp.gate_up_proj, "bias", [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")])
+                put(mlp.down_proj, "bias", [p + "mlp.down_proj.bias"])
         leftover = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(f"checkpoint has unexpected tensors: {leftover[:5]}"
                              + (f" (+{len(leftover) - 5} more)" if len(leftover) > 5 else ""))
+        # RoPE frequencies stay fp32 whatever the model dtype, as in transformers.
+        self.inv_freq = rope_inv_freq(self.config).to(device)
