@@ -170,7 +170,11 @@ class Tokenizer:
     ):
         self._hf = hf
         self.byte_level = byte_level
-        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        # max id + 1, not the count: a GGUF may list one piece twice (the later id is a hole).
+        self.vocab_size: int = max(
+            hf.get_vocab_size(with_added_tokens=True),
+            1 + max(hf.get_vocab(with_added_tokens=True).values(), default=-1),
+        )
         for name, value in (
             ("bos_token_id", bos_token_id),
             ("eos_token_id", eos_token_id),
@@ -258,7 +262,10 @@ class Tokenizer:
         """The UTF-8 bytes this token contributes to the text (possibly part of one character).
 
         Added/special tokens contribute their text; byte-level pieces are mapped back to bytes;
-        SentencePiece pieces give `<0xNN>` -> that byte and '▁' -> ' '."""
+        SentencePiece pieces give `<0xNN>` -> that byte and '▁' -> ' '. An id with no token (a
+        model's padded vocabulary rows, >= vocab_size) contributes b"", as `decode` skips it."""
+        if not 0 <= token_id < self.vocab_size:
+            return b""
         cached = self._token_bytes[token_id]
         if cached is None:
             cached = self._token_bytes[token_id] = self._compute_token_bytes(token_id)
@@ -267,7 +274,9 @@ class Tokenizer:
     def _compute_token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
-        piece = self.id_to_token(token_id)
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:
+            return b""
         if self.byte_level:
             table = _byte_decoder()
             try:
@@ -316,11 +325,11 @@ class Tokenizer:
         import gguf
 
         reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
-        path = str(getattr(reader, "path", source))
+        path = str(getattr(reader.data, "filename", None) or source)
 
         def get(key: str, default: Any = None) -> Any:
             field = reader.fields.get(key)
-            return default if field is None else field.contents()
+            return default if field is None else _field_value(field)
 
         model_type = get("tokenizer.ggml.model")
         tokens: list[str] = get("tokenizer.ggml.tokens") or []
@@ -344,7 +353,9 @@ class Tokenizer:
             hf, pre = _gguf_byte_level(
                 tokens, types, get("tokenizer.ggml.merges") or [], get("tokenizer.ggml.pre")
             )
-            add_bos = bool(get("tokenizer.ggml.add_bos_token", False))
+            # Without the flag llama.cpp adds BOS for the Llama 3 family only.
+            llama3 = _PRE_TOKENIZERS.get(get("tokenizer.ggml.pre") or "default") == "llama3"
+            add_bos = bool(get("tokenizer.ggml.add_bos_token", llama3))
             tok = cls(hf, byte_level=True, add_bos_token=add_bos, **common)
         elif model_type == "llama":
             scores = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
@@ -425,6 +436,21 @@ class Tokenizer:
             tok.add_bos_token,
         )
         return tok
+
+
+def _field_value(field: Any) -> Any:
+    """A GGUF metadata value as Python data (`ReaderField.contents()` where gguf has it)."""
+    if hasattr(field, "contents"):
+        return field.contents()
+    import gguf  # older gguf: decode the parts by hand
+
+    def one(i: int, kind: Any) -> Any:
+        part = field.parts[i]
+        return bytes(part).decode("utf-8") if kind == gguf.GGUFValueType.STRING else part[0].item()
+
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [one(i, field.types[-1]) for i in field.data]
+    return one(field.data[0], field.types[0])
 
 
 def _gguf_byte_level(

@@ -263,6 +263,22 @@ def test_token_bytes(tok):
     )
 
 
+def test_ids_without_a_token_contribute_nothing(tok):
+    # A model's padded vocabulary rows (ids >= vocab_size) can be sampled; they have no text.
+    assert tok.token_bytes(tok.vocab_size) == b"" and tok.token_bytes(10**6) == b""
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push([19556, tok.vocab_size + 3, 19556]) + detok.flush() == "HelloHello"
+    assert tok.decode([19556, tok.vocab_size + 3]) == "Hello"
+
+
+def test_from_an_open_gguf_reader(smollm2_path, tok):
+    import gguf
+
+    again = Tokenizer.from_gguf(gguf.GGUFReader(str(smollm2_path)))
+    assert again.source == str(smollm2_path)
+    assert again.encode("Hello   42 世界") == tok.encode("Hello   42 世界")
+
+
 def test_encode_is_fast(tok):
     import time
 
