@@ -135,16 +135,25 @@ def _byte_level_pre_tokenizer(family: str) -> tuple[pre_tokenizers.PreTokenizer,
 
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces
-    that are both in the vocabulary, best (highest-score) resulting piece first."""
+    that are both in the vocabulary, best (highest-score) resulting piece first; ties by longer
+    left, then longer right part, then vocabulary order (the order transformers derives)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked = []
     for piece, piece_id in vocab.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-scores[piece_id], vocab[left], vocab[right], left, right))
+                key = (
+                    -scores[piece_id],
+                    -len(left),
+                    -len(right),
+                    piece_id,
+                    vocab[left],
+                    vocab[right],
+                )
+                ranked.append((key, left, right))
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return [(left, right) for _, left, right in ranked]
 
 
 class Tokenizer:
