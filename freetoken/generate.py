@@ -1,12 +1,22 @@
 """generate(loaded, prompt_ids, max_new_tokens): greedy ids + logprobs with the bare model, no
 engine or server. For checking the model (tests, parity, benchmarks); the engine does not use it.
 
-NOTE (threads): torch's OpenMP workers spin-wait after each parallel region. On the shared 2-core
-machines this project runs on, a spinning worker competes with every other process, and a small
-matmul can then take ~100x longer. The server should set OMP_WAIT_POLICY=PASSIVE before torch is
-imported (it is read once, at OpenMP start-up) and torch.set_num_threads(os.cpu_count()) unless the
-user set OMP_NUM_THREADS; scripts/bench_forward.py measures both settings. PASSIVE costs nothing
-measurable here when the machine is idle (see the report in scripts/bench_forward.py's docstring).
+NOTE (threads and OpenMP wait policy, measured with scripts/bench_forward.py
+--compare-wait-policy on the shared 2-core EPYC dev box, load average ~3, SmolLM2 fp32):
+
+    OMP_WAIT_POLICY  threads  prefill tok/s  decode tok/s  4-way batched decode tok/s
+    PASSIVE          1        276            16.9          30.3
+    PASSIVE          2        145             8.3          18.8
+    (default)        1        232             6.7          19.2
+    (default)        2         46             2.4           5.7
+
+torch's OpenMP workers spin-wait after every parallel region; when the cores are shared, the spinning
+thread steals the core the other thread needs and a decode step gets ~7x slower. So the server
+should (1) set OMP_WAIT_POLICY=PASSIVE in the environment before torch is imported (OpenMP reads it
+once, at start-up), with os.environ.setdefault so a user's own setting wins, and (2) use
+torch.set_num_threads(max(1, os.cpu_count() // 2)) unless OMP_NUM_THREADS is set: one thread per
+physical core, which is 1 on these 2-vCPU machines, where a second thread lost even with PASSIVE.
+Log both values once at start-up.
 """
 
 from __future__ import annotations
