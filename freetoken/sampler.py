@@ -29,6 +29,8 @@ from freetoken import ops
 from freetoken.sampling_params import SamplingParams
 from freetoken.sequence import TokenLogprob
 
+_NEG_INF = float("-inf")
+
 
 @dataclass(slots=True)
 class SampleRow:
@@ -178,7 +180,8 @@ class Sampler:
                 out.append((tokens_l[i], None))
                 continue
             kk = p.logprobs
-            top = [(t, lp) for t, lp in zip(top_ids_l[i][:kk], top_lps_l[i][:kk]) if t >= 0]
+            top = [(t, lp) for t, lp in zip(top_ids_l[i][:kk], top_lps_l[i][:kk])
+                   if t >= 0 and lp != _NEG_INF]
             out.append((tokens_l[i], TokenLogprob(tokens_l[i], chosen_lp[w], rank[w], top,
                                                   extra[w])))
             w += 1
@@ -196,7 +199,8 @@ class Sampler:
         rank = ((logits > val).sum(-1) + 1).tolist()
         ti, tl = top_ids.tolist(), top_lps.tolist()
         return [TokenLogprob(int(t), lp[n], rank[n],
-                             [(a, b) for a, b in zip(ti[n][:k], tl[n][:k]) if a >= 0])
+                             [(a, b) for a, b in zip(ti[n][:k], tl[n][:k])
+                              if a >= 0 and b != _NEG_INF])
                 for n, t in enumerate(target_ids)]
 
 
