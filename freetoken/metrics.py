@@ -9,14 +9,33 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger("freetoken.metrics")
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    120.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 # engine.stats() key -> (metric name, help, kind). Several spellings are accepted so the
 # collector survives small renames in the engine; a missing key is simply not exported.
@@ -31,13 +50,19 @@ _ENGINE_GAUGES = {
     "num_blocks": ("freetoken_kv_blocks_total", "KV-cache blocks in the pool"),
 }
 _ENGINE_COUNTERS = {
-    "prefix_queries": ("freetoken_prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                       "cache"),
-    "prefix_cache_queries": ("freetoken_prefix_cache_queries", "Prompt tokens looked up in the "
-                             "prefix cache"),
+    "prefix_queries": (
+        "freetoken_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+    ),
+    "prefix_cache_queries": (
+        "freetoken_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+    ),
     "prefix_hits": ("freetoken_prefix_cache_hits", "Prompt tokens served by the prefix cache"),
-    "prefix_cache_hits": ("freetoken_prefix_cache_hits", "Prompt tokens served by the prefix "
-                          "cache"),
+    "prefix_cache_hits": (
+        "freetoken_prefix_cache_hits",
+        "Prompt tokens served by the prefix cache",
+    ),
 }
 
 
@@ -60,41 +85,63 @@ class _EngineCollector:
             if key in stats and name not in seen:
                 seen.add(name)
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))
-        for name, doc in (("freetoken_requests_running", "Requests in the engine's running set"),
-                          ("freetoken_requests_waiting", "Requests waiting for admission"),
-                          ("freetoken_kv_blocks_used", "KV-cache blocks in use"),
-                          ("freetoken_kv_blocks_total", "KV-cache blocks in the pool")):
-            if name not in seen:   # always present, even if the engine does not report it
+        for name, doc in (
+            ("freetoken_requests_running", "Requests in the engine's running set"),
+            ("freetoken_requests_waiting", "Requests waiting for admission"),
+            ("freetoken_kv_blocks_used", "KV-cache blocks in use"),
+            ("freetoken_kv_blocks_total", "KV-cache blocks in the pool"),
+        ):
+            if name not in seen:  # always present, even if the engine does not report it
                 yield GaugeMetricFamily(name, doc, value=0.0)
-        for name, doc in (("freetoken_prefix_cache_queries", "Prompt tokens looked up"),
-                          ("freetoken_prefix_cache_hits", "Prompt tokens served by the cache")):
+        for name, doc in (
+            ("freetoken_prefix_cache_queries", "Prompt tokens looked up"),
+            ("freetoken_prefix_cache_hits", "Prompt tokens served by the cache"),
+        ):
             if name not in seen:
                 yield CounterMetricFamily(name, doc, value=0.0)
 
 
 class Metrics:
     def __init__(self, engine):
-        disable_created_metrics()   # the *_created series only double the scrape
+        disable_created_metrics()  # the *_created series only double the scrape
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
-        self.generation_tokens = Counter("freetoken_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.cached_tokens = Counter("freetoken_cached_prompt_tokens",
-                                     "Prompt tokens served by the prefix cache", registry=r)
-        self.ttft = Histogram("freetoken_time_to_first_token_seconds",
-                              "Time from request arrival to its first output", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("freetoken_e2e_request_latency_seconds",
-                             "Time from request arrival to its last output", registry=r,
-                             buckets=_LATENCY_BUCKETS)
-        self.success = Counter("freetoken_request_success", "Finished choices by finish reason",
-                               ["finish_reason"], registry=r)
-        self.errors = Counter("freetoken_request_errors", "Failed requests by error type",
-                              ["type"], registry=r)
-        self.http = Counter("freetoken_http_requests", "HTTP requests by route and status",
-                            ["route", "status"], registry=r)
+        self.prompt_tokens = Counter(
+            "freetoken_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "freetoken_generation_tokens", "Tokens generated", registry=r
+        )
+        self.cached_tokens = Counter(
+            "freetoken_cached_prompt_tokens", "Prompt tokens served by the prefix cache", registry=r
+        )
+        self.ttft = Histogram(
+            "freetoken_time_to_first_token_seconds",
+            "Time from request arrival to its first output",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "freetoken_e2e_request_latency_seconds",
+            "Time from request arrival to its last output",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.success = Counter(
+            "freetoken_request_success",
+            "Finished choices by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "freetoken_request_errors", "Failed requests by error type", ["type"], registry=r
+        )
+        self.http = Counter(
+            "freetoken_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def render(self) -> bytes:

@@ -28,16 +28,31 @@ MAX_N = 128
 MAX_STOP = 32
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}}
-_PROMPT_SCHEMA = {"anyOf": [
-    {"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS_SCHEMA,
-    {"type": "array", "items": _TOKEN_IDS_SCHEMA}]}
-_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                          {"type": "null"}]}
-_CONTENT_SCHEMA = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "object", "properties": {
-        "type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}},
-    {"type": "null"}]}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA},
+    ]
+}
+_STOP_SCHEMA = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]
+}
+_CONTENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"],
+            },
+        },
+        {"type": "null"},
+    ]
+}
 
 
 def _schema_any(schema: dict, description: str | None = None):
@@ -57,6 +72,7 @@ class StreamOptions(_Strict):
 # Request models. Fields marked "neutral only" are accepted with their neutral value (common
 # clients send defaults) and refused with "X is not supported" otherwise; see _UNSUPPORTED.
 # ------------------------------------------------------------------------------------------
+
 
 class _SamplingFields(_Strict):
     model: str | None = None
@@ -104,6 +120,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions (SPEC.md)."""
+
     prompt: _schema_any(_PROMPT_SCHEMA, "str, list[str], list[int] or list[list[int]]")
     max_tokens: int | None = Field(16, ge=0, description="default 16; 0 only with echo")
     echo: bool = False
@@ -123,6 +140,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions (SPEC.md)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -141,6 +159,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: either `prompt` or `messages`."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -155,28 +174,48 @@ class DetokenizeRequest(_Strict):
 
 _UNSUPPORTED: dict[str, tuple] = {
     # field: neutral values
-    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,), "truncate_prompt_tokens": (None,),
-    "bad_words": (None, []), "logits_processors": (None, []),
-    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
-    "cache_salt": (None,), "return_token_ids": (None, False),
-    "suffix": (None, ""), "prompt_embeds": (None,),
-    "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "return_token_ids": (None, False),
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
     "documents": (None,),
 }
 # Sampling fields whose neutral value is accepted even if SamplingParams lacks them.
-_NEUTRAL_SAMPLING = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                     "min_p": 0.0, "min_tokens": 0}
+_NEUTRAL_SAMPLING = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
 _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 # ------------------------------------------------------------------------------------------
 # Validation helpers
 # ------------------------------------------------------------------------------------------
+
 
 def loc_to_param(loc: Sequence[Any]) -> str:
     """("prompt", 1, 7) -> "prompt[1][7]"; ("logit_bias", "5") -> "logit_bias.5"."""
@@ -199,8 +238,9 @@ def validate_model(cls: type[BaseModel], body: Any) -> BaseModel:
         err = exc.errors(include_url=False)[0]
         param = loc_to_param(err["loc"]) or None
         if err["type"] == "extra_forbidden":
-            raise InvalidRequest(f"Unrecognized request argument supplied: {param}",
-                                 param=param) from None
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {param}", param=param
+            ) from None
         if err["type"] == "missing":
             raise InvalidRequest(f"{param} is required", param=param) from None
         raise InvalidRequest(f"{param}: {err['msg']}", param=param) from None
@@ -217,31 +257,35 @@ def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
         if not 0 <= t < vocab_size:
             raise InvalidRequest(
                 f"{where}[{i}] = {t} is outside the vocabulary (0..{vocab_size - 1})",
-                param=f"{where}[{i}]")
+                param=f"{where}[{i}]",
+            )
 
 
 @dataclass(slots=True)
 class Prompt:
     ids: list[int]
-    text: str | None   # the request's text, for text prompts
+    text: str | None  # the request's text, for text prompts
 
 
-def normalize_prompt(raw: Any, *, vocab_size: int, tokenizer, add_special_tokens: bool,
-                     max_batch_prompts: int) -> list[Prompt]:
+def normalize_prompt(
+    raw: Any, *, vocab_size: int, tokenizer, add_special_tokens: bool, max_batch_prompts: int
+) -> list[Prompt]:
     """The four prompt forms of SPEC.md -> a list of Prompt. Ids are used exactly."""
     bad_type = InvalidRequest("prompt must be a string or an array of token ids", param="prompt")
 
     def encode(text: str, where: str) -> Prompt:
         ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
-            raise InvalidRequest(f"{where}: the text yields no tokens and cannot be evaluated",
-                                 param=where)
+            raise InvalidRequest(
+                f"{where}: the text yields no tokens and cannot be evaluated", param=where
+            )
         return Prompt(list(ids), text)
 
     def id_list(ids: list, where: str) -> Prompt:
         if not ids:
-            raise InvalidRequest(f"{where}: an empty token-id array cannot be evaluated",
-                                 param=where)
+            raise InvalidRequest(
+                f"{where}: an empty token-id array cannot be evaluated", param=where
+            )
         _check_ids(ids, vocab_size, where)
         return Prompt(list(ids), None)
 
@@ -255,20 +299,26 @@ def normalize_prompt(raw: Any, *, vocab_size: int, tokenizer, add_special_tokens
                 if not isinstance(p, str):
                     raise InvalidRequest(
                         f"prompt[{i}] is not a string (a list of text prompts must hold only "
-                        f"strings)", param=f"prompt[{i}]")
+                        f"strings)",
+                        param=f"prompt[{i}]",
+                    )
             prompts = None
         else:
             for i, p in enumerate(raw):
                 if not isinstance(p, list):
                     raise InvalidRequest(
                         f"prompt[{i}] is not an array of token ids (a batch of id prompts must "
-                        f"hold only arrays)", param=f"prompt[{i}]")
+                        f"hold only arrays)",
+                        param=f"prompt[{i}]",
+                    )
             prompts = None
         if prompts is None:
             if len(raw) > max_batch_prompts:
                 raise InvalidRequest(
                     f"prompt holds {len(raw)} prompts, more than the maximum of "
-                    f"{max_batch_prompts} (--max-batch-prompts)", param="prompt")
+                    f"{max_batch_prompts} (--max-batch-prompts)",
+                    param="prompt",
+                )
             if isinstance(raw[0], str):
                 prompts = [encode(p, f"prompt[{i}]") for i, p in enumerate(raw)]
             else:
@@ -297,8 +347,7 @@ def _stop_list(stop: Any) -> list[str]:
     if not isinstance(stop, list):
         raise InvalidRequest("stop must be a string or an array of strings", param="stop")
     if len(stop) > MAX_STOP:
-        raise InvalidRequest(f"stop holds {len(stop)} strings, more than {MAX_STOP}",
-                             param="stop")
+        raise InvalidRequest(f"stop holds {len(stop)} strings, more than {MAX_STOP}", param="stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str):
             raise InvalidRequest(f"stop[{i}] is not a string", param=f"stop[{i}]")
@@ -318,8 +367,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
             raise InvalidRequest(f"{param}: the key {key!r} is not a token id", param=param)
         tid = int(k)
         if not 0 <= tid < vocab_size:
-            raise InvalidRequest(f"{param}: token id {tid} is outside the vocabulary "
-                                 f"(0..{vocab_size - 1})", param=param)
+            raise InvalidRequest(
+                f"{param}: token id {tid} is outside the vocabulary (0..{vocab_size - 1})",
+                param=param,
+            )
         if not -100.0 <= value <= 100.0:
             raise InvalidRequest(f"{param} = {value} is outside [-100, 100]", param=param)
         out[tid] = float(value)
@@ -328,8 +379,9 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
 
 def _check_logprobs_cap(value: int | None, cap: int, param: str) -> None:
     if value is not None and value > cap:
-        raise InvalidRequest(f"Requested {param} of {value}, which is greater than max allowed: "
-                             f"{cap}", param=param)
+        raise InvalidRequest(
+            f"Requested {param} of {value}, which is greater than max allowed: {cap}", param=param
+        )
 
 
 def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
@@ -370,28 +422,31 @@ def _check_context(prompts: list[Prompt], max_tokens: int, max_model_len: int) -
             where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             raise ContextTooLong(
                 f"{where}You passed {len(p.ids)} input tokens and requested {max_tokens} output "
-                f"tokens; the context is {max_model_len}", param="max_tokens")
+                f"tokens; the context is {max_model_len}",
+                param="max_tokens",
+            )
 
 
 def _make_params(kw: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**kw)
-    except ValueError as exc:   # an engine invariant our checks missed: still the client's input
+    except ValueError as exc:  # an engine invariant our checks missed: still the client's input
         raise InvalidRequest(str(exc)) from None
 
 
 @dataclass(slots=True)
 class ParsedRequest:
     """What the server needs to run one request: prompts x n engine requests."""
+
     request: BaseModel
     prompts: list[Prompt]
     params: SamplingParams
     n: int
     # completions only
     echo: bool = False
-    logprobs: int | None = None          # legacy top-K per position (None: no logprobs)
-    prompt_logprobs: int | None = None   # the vLLM `prompt_logprobs` field
-    score_only: bool = False             # max_tokens 0 + echo: drop the one generated token
+    logprobs: int | None = None  # legacy top-K per position (None: no logprobs)
+    prompt_logprobs: int | None = None  # the vLLM `prompt_logprobs` field
+    score_only: bool = False  # max_tokens 0 + echo: drop the one generated token
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -403,28 +458,35 @@ class ParsedRequest:
         return dataclasses.replace(self.params, seed=self.params.seed + j)
 
 
-def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 64
-                     ) -> ParsedRequest:
+def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 64) -> ParsedRequest:
     req: CompletionRequest = validate_model(CompletionRequest, body)
     cap = limits.max_logprobs
     _check_logprobs_cap(req.logprobs, cap, "logprobs")
     _check_logprobs_cap(req.prompt_logprobs, cap, "prompt_logprobs")
     if req.logprob_token_ids is not None:
         if req.logprobs is None:
-            raise InvalidRequest("logprob_token_ids requires logprobs to be set",
-                                 param="logprob_token_ids")
+            raise InvalidRequest(
+                "logprob_token_ids requires logprobs to be set", param="logprob_token_ids"
+            )
         _check_ids(req.logprob_token_ids, limits.vocab_size, "logprob_token_ids")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not req.echo:
-        raise InvalidRequest("max_tokens must be at least 1 (0 is allowed only with echo)",
-                             param="max_tokens")
+        raise InvalidRequest(
+            "max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens"
+        )
     if req.min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens ({req.min_tokens}) is greater than max_tokens "
-                             f"({max_tokens})", param="min_tokens")
+        raise InvalidRequest(
+            f"min_tokens ({req.min_tokens}) is greater than max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     kw = _sampling_kwargs(req, limits.vocab_size)
-    prompts = normalize_prompt(req.prompt, vocab_size=limits.vocab_size, tokenizer=tokenizer,
-                               add_special_tokens=req.add_special_tokens,
-                               max_batch_prompts=max_batch_prompts)
+    prompts = normalize_prompt(
+        req.prompt,
+        vocab_size=limits.vocab_size,
+        tokenizer=tokenizer,
+        add_special_tokens=req.add_special_tokens,
+        max_batch_prompts=max_batch_prompts,
+    )
     _check_context(prompts, max_tokens, limits.max_model_len)
     score_only = max_tokens == 0
     kw["max_tokens"] = max(max_tokens, 1)
@@ -441,10 +503,18 @@ def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 6
         kw["prompt_logprobs"] = internal_prompt_lp
     so = req.stream_options
     return ParsedRequest(
-        request=req, prompts=prompts, params=_make_params(kw), n=req.n, echo=req.echo,
-        logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, score_only=score_only,
-        stream=req.stream, include_usage=bool(req.stream and so and so.include_usage),
-        model=req.model)
+        request=req,
+        prompts=prompts,
+        params=_make_params(kw),
+        n=req.n,
+        echo=req.echo,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        score_only=score_only,
+        stream=req.stream,
+        include_usage=bool(req.stream and so and so.include_usage),
+        model=req.model,
+    )
 
 
 def _message_text(msg: ChatMessage, i: int) -> str:
@@ -454,37 +524,45 @@ def _message_text(msg: ChatMessage, i: int) -> str:
     if isinstance(c, str):
         return c
     if not isinstance(c, list):
-        raise InvalidRequest(f"messages[{i}].content must be a string or an array of text parts",
-                             param=f"messages[{i}].content")
+        raise InvalidRequest(
+            f"messages[{i}].content must be a string or an array of text parts",
+            param=f"messages[{i}].content",
+        )
     texts = []
     for j, part in enumerate(c):
         where = f"messages[{i}].content[{j}]"
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"{where}: content part of type {kind!r} is not supported "
-                                 f"(only text)", param=where)
+            raise InvalidRequest(
+                f"{where}: content part of type {kind!r} is not supported (only text)", param=where
+            )
         extra = set(part) - {"type", "text"}
         if extra:
             name = sorted(extra)[0]
-            raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{name}",
-                                 param=f"{where}.{name}")
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {where}.{name}", param=f"{where}.{name}"
+            )
         if not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def render_chat(messages: list[ChatMessage], tokenizer, *, add_generation_prompt: bool,
-                add_special_tokens: bool) -> tuple[str, list[int]]:
+def render_chat(
+    messages: list[ChatMessage], tokenizer, *, add_generation_prompt: bool, add_special_tokens: bool
+) -> tuple[str, list[int]]:
     """Messages -> (template text, prompt ids). BOS only as the template renders it."""
-    plain = [{"role": m.role, "content": _message_text(m, i)} | ({"name": m.name} if m.name else {})
-             for i, m in enumerate(messages)]
+    plain = [
+        {"role": m.role, "content": _message_text(m, i)} | ({"name": m.name} if m.name else {})
+        for i, m in enumerate(messages)
+    ]
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja2 TemplateError / raise_exception from the template
         if type(exc).__module__.startswith("jinja2") or isinstance(exc, (ValueError, TypeError)):
-            raise InvalidRequest(f"messages: the chat template refused them: {exc}",
-                                 param="messages") from None
+            raise InvalidRequest(
+                f"messages: the chat template refused them: {exc}", param="messages"
+            ) from None
         raise
     ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
@@ -498,12 +576,19 @@ def parse_chat(body: Any, limits, tokenizer) -> ParsedRequest:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     _check_logprobs_cap(req.top_logprobs, limits.max_logprobs, "top_logprobs")
     kw = _sampling_kwargs(req, limits.vocab_size)
-    text, ids = render_chat(req.messages, tokenizer, add_generation_prompt=req.add_generation_prompt,
-                            add_special_tokens=req.add_special_tokens)
+    text, ids = render_chat(
+        req.messages,
+        tokenizer,
+        add_generation_prompt=req.add_generation_prompt,
+        add_special_tokens=req.add_special_tokens,
+    )
     for i, t in enumerate(ids):
-        if not 0 <= t < limits.vocab_size:   # an added token beyond the model's vocabulary
-            raise InvalidRequest(f"messages: the rendered prompt holds token id {t} at "
-                                 f"position {i}, outside the vocabulary", param="messages")
+        if not 0 <= t < limits.vocab_size:  # an added token beyond the model's vocabulary
+            raise InvalidRequest(
+                f"messages: the rendered prompt holds token id {t} at "
+                f"position {i}, outside the vocabulary",
+                param="messages",
+            )
     prompts = [Prompt(ids, text)]
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
@@ -513,18 +598,26 @@ def parse_chat(body: Any, limits, tokenizer) -> ParsedRequest:
     else:
         _check_context(prompts, max_tokens, limits.max_model_len)
     if req.min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens ({req.min_tokens}) is greater than max_tokens "
-                             f"({max_tokens})", param="min_tokens")
+        raise InvalidRequest(
+            f"min_tokens ({req.min_tokens}) is greater than max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     kw["max_tokens"] = max_tokens
     lp = None
     if req.logprobs:
         lp = req.top_logprobs or 0
         kw["logprobs"] = lp
     so = req.stream_options
-    return ParsedRequest(request=req, prompts=prompts, params=_make_params(kw), n=req.n,
-                         logprobs=lp, stream=req.stream,
-                         include_usage=bool(req.stream and so and so.include_usage),
-                         model=req.model)
+    return ParsedRequest(
+        request=req,
+        prompts=prompts,
+        params=_make_params(kw),
+        n=req.n,
+        logprobs=lp,
+        stream=req.stream,
+        include_usage=bool(req.stream and so and so.include_usage),
+        model=req.model,
+    )
 
 
 def parse_tokenize(body: Any, limits, tokenizer) -> dict:
@@ -537,9 +630,12 @@ def parse_tokenize(body: Any, limits, tokenizer) -> dict:
     else:
         if not req.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        _, ids = render_chat(req.messages, tokenizer,
-                             add_generation_prompt=req.add_generation_prompt,
-                             add_special_tokens=bool(req.add_special_tokens))
+        _, ids = render_chat(
+            req.messages,
+            tokenizer,
+            add_generation_prompt=req.add_generation_prompt,
+            add_special_tokens=bool(req.add_special_tokens),
+        )
     return {"tokens": ids, "count": len(ids), "max_model_len": limits.max_model_len}
 
 
@@ -553,6 +649,7 @@ def parse_detokenize(body: Any, limits) -> list[int]:
 # Responses. A ChoiceState turns one engine stream into fragments; streaming sends each fragment
 # as a chunk, non-streaming merges them -- so both modes produce the same text and logprobs.
 # ------------------------------------------------------------------------------------------
+
 
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
@@ -572,7 +669,7 @@ def _top_dict(tokenizer, tl, k: int, as_ids: bool) -> dict[str, float]:
     for tid, lp in list(tl.top)[:k]:
         out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
     out.setdefault(token_key(tokenizer, tl.token_id, as_ids), float(tl.logprob))
-    for tid, lp in (getattr(tl, "extra", None) or []):
+    for tid, lp in getattr(tl, "extra", None) or []:
         out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
     return out
 
@@ -607,6 +704,7 @@ class LegacyLogprobs:
 @dataclass
 class Fragment:
     """One choice's increment: what a chunk carries, and what a full response concatenates."""
+
     text: str = ""
     logprobs: LegacyLogprobs | list[dict] | None = None
     prompt_logprobs: list | None = None
@@ -623,10 +721,19 @@ def prompt_logprobs_entries(tokenizer, prompt_ids: list[int], plps: list, k: int
             continue
         entry = {}
         for rank, (tid, lp) in enumerate(list(tl.top)[:k], start=1):
-            entry[str(tid)] = {"logprob": float(lp), "rank": rank,
-                               "decoded_token": token_text(tokenizer, tid)}
-        entry.setdefault(str(tl.token_id), {"logprob": float(tl.logprob), "rank": int(tl.rank),
-                                            "decoded_token": token_text(tokenizer, tl.token_id)})
+            entry[str(tid)] = {
+                "logprob": float(lp),
+                "rank": rank,
+                "decoded_token": token_text(tokenizer, tid),
+            }
+        entry.setdefault(
+            str(tl.token_id),
+            {
+                "logprob": float(tl.logprob),
+                "rank": int(tl.rank),
+                "decoded_token": token_text(tokenizer, tl.token_id),
+            },
+        )
         out.append(entry)
     return out
 
@@ -654,15 +761,16 @@ class ChoiceState:
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
             token_logprobs=[float(tl.logprob) for tl in lps],
             top_logprobs=[_top_dict(self.tok, tl, k, self.as_ids) for tl in lps],
-            text_offset=_char_offsets(self.tok, ids, start, self.text_len))
+            text_offset=_char_offsets(self.tok, ids, start, self.text_len),
+        )
         return res
 
     def feed(self, out) -> Fragment:
         frag = Fragment()
         start = self.text_len
+        self.num_cached_tokens = int(out.num_cached_tokens or 0)  # fixed at first admission
         if self.first:
             self.first = False
-            self.num_cached_tokens = int(out.num_cached_tokens or 0)
             if self.parsed.echo:
                 ptext = self.tok.decode(self.prompt.ids, skip_special_tokens=False)
                 frag.text += ptext
@@ -672,7 +780,8 @@ class ChoiceState:
                 start = self.text_len
             if self.parsed.prompt_logprobs is not None and out.prompt_logprobs is not None:
                 frag.prompt_logprobs = prompt_logprobs_entries(
-                    self.tok, self.prompt.ids, out.prompt_logprobs, self.parsed.prompt_logprobs)
+                    self.tok, self.prompt.ids, out.prompt_logprobs, self.parsed.prompt_logprobs
+                )
         if self.parsed.score_only:
             if out.finished:
                 frag.finish_reason = "length"
@@ -701,9 +810,11 @@ class ChoiceState:
         res = LegacyLogprobs(
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
             token_logprobs=[None if tl is None else float(tl.logprob) for tl in plps],
-            top_logprobs=[None if tl is None else _top_dict(self.tok, tl, k, self.as_ids)
-                          for tl in plps],
-            text_offset=_char_offsets(self.tok, ids, 0, len(ptext)))
+            top_logprobs=[
+                None if tl is None else _top_dict(self.tok, tl, k, self.as_ids) for tl in plps
+            ],
+            text_offset=_char_offsets(self.tok, ids, 0, len(ptext)),
+        )
         return res
 
 
@@ -713,8 +824,9 @@ def merge_fragments(frags: list[Fragment]) -> Fragment:
         total.text += f.text
         if f.logprobs is not None:
             if total.logprobs is None:
-                total.logprobs = type(f.logprobs)() if isinstance(f.logprobs, LegacyLogprobs) \
-                    else []
+                total.logprobs = (
+                    type(f.logprobs)() if isinstance(f.logprobs, LegacyLogprobs) else []
+                )
             if isinstance(f.logprobs, LegacyLogprobs):
                 total.logprobs.extend(f.logprobs)
             else:
@@ -731,21 +843,25 @@ class ChatChoiceState(ChoiceState):
     """The chat API: logprobs as content[] = {token, logprob, bytes, top_logprobs}."""
 
     def _entry(self, tid: int, lp: float) -> dict:
-        return {"token": token_key(self.tok, tid, self.as_ids), "logprob": float(lp),
-                "bytes": list(self.tok.token_bytes(tid))}
+        return {
+            "token": token_key(self.tok, tid, self.as_ids),
+            "logprob": float(lp),
+            "bytes": list(self.tok.token_bytes(tid)),
+        }
 
     def feed(self, out) -> Fragment:
         frag = Fragment()
-        if self.first:
-            self.first = False
-            self.num_cached_tokens = int(out.num_cached_tokens or 0)
+        self.first = False
+        self.num_cached_tokens = int(out.num_cached_tokens or 0)
         frag.text = out.new_text or ""
         self.num_output_tokens += len(out.new_token_ids or [])
         if self.parsed.logprobs is not None and out.logprobs:
             k = self.parsed.logprobs
-            frag.logprobs = [self._entry(tl.token_id, tl.logprob)
-                             | {"top_logprobs": [self._entry(t, lp) for t, lp in list(tl.top)[:k]]}
-                             for tl in out.logprobs]
+            frag.logprobs = [
+                self._entry(tl.token_id, tl.logprob)
+                | {"top_logprobs": [self._entry(t, lp) for t, lp in list(tl.top)[:k]]}
+                for tl in out.logprobs
+            ]
         if out.finished:
             self.finish_reason = out.finish_reason
             frag.finish_reason = out.finish_reason
@@ -754,57 +870,104 @@ class ChatChoiceState(ChoiceState):
 
 
 def usage_dict(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
 
 
 def completion_choice(index: int, frag: Fragment) -> dict:
-    choice = {"index": index, "text": frag.text,
-              "logprobs": frag.logprobs.to_dict() if isinstance(frag.logprobs, LegacyLogprobs)
-              else frag.logprobs,
-              "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}
+    choice = {
+        "index": index,
+        "text": frag.text,
+        "logprobs": frag.logprobs.to_dict()
+        if isinstance(frag.logprobs, LegacyLogprobs)
+        else frag.logprobs,
+        "finish_reason": frag.finish_reason,
+        "stop_reason": frag.stop_reason,
+    }
     if frag.prompt_logprobs is not None:
         choice["prompt_logprobs"] = frag.prompt_logprobs
     return choice
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], usage: dict,
-                        created: int | None = None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
-            "model": model, "choices": choices, "usage": usage}
+def completion_response(
+    request_id: str, model: str, choices: list[dict], usage: dict, created: int | None = None
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
 
 
-def completion_chunk(request_id: str, model: str, created: int, index: int, frag: Fragment
-                     ) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [completion_choice(index, frag)]}
+def completion_chunk(request_id: str, model: str, created: int, index: int, frag: Fragment) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [completion_choice(index, frag)],
+    }
 
 
 def chat_choice(index: int, frag: Fragment) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": frag.text},
-            "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
-            "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": frag.text},
+        "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
+        "finish_reason": frag.finish_reason,
+        "stop_reason": frag.stop_reason,
+    }
 
 
-def chat_response(request_id: str, model: str, choices: list[dict], usage: dict,
-                  created: int | None = None) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()),
-            "model": model, "choices": choices, "usage": usage}
+def chat_response(
+    request_id: str, model: str, choices: list[dict], usage: dict, created: int | None = None
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
 
 
-def chat_chunk(request_id: str, model: str, created: int, index: int, frag: Fragment,
-               first: bool = False) -> dict:
+def chat_chunk(
+    request_id: str, model: str, created: int, index: int, frag: Fragment, first: bool = False
+) -> dict:
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if frag.text or first:
         delta["content"] = frag.text
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": model,
-            "choices": [{"index": index, "delta": delta,
-                         "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
-                         "finish_reason": frag.finish_reason, "stop_reason": frag.stop_reason}]}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if frag.logprobs is None else {"content": frag.logprobs},
+                "finish_reason": frag.finish_reason,
+                "stop_reason": frag.stop_reason,
+            }
+        ],
+    }
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, usage: dict) -> dict:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage}
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }

@@ -25,8 +25,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from freetoken import __version__, protocol
-from freetoken.errors import (BodyTooLarge, EngineDead, FreeTokenError, InvalidRequest, NotFound,
-                              ServerError, Unauthorized)
+from freetoken.errors import (
+    BodyTooLarge,
+    EngineDead,
+    FreeTokenError,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    Unauthorized,
+)
 from freetoken.metrics import Metrics
 
 logger = logging.getLogger("freetoken.server")
@@ -52,8 +59,14 @@ class _Edge:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        info = {"id": uuid.uuid4().hex, "prompt_tokens": 0, "cached_tokens": 0,
-                "output_tokens": 0, "status": 500, "started": False}
+        info = {
+            "id": uuid.uuid4().hex,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "output_tokens": 0,
+            "status": 500,
+            "started": False,
+        }
         scope[_LOG_KEY] = info
 
         async def _send(message):
@@ -62,13 +75,14 @@ class _Edge:
                 info["started"] = True
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [
-                    (b"x-request-id", info["id"].encode())]
+                    (b"x-request-id", info["id"].encode())
+                ]
             await send(message)
 
         try:
             self._check_auth(scope)
             await self.app(scope, receive, _send)
-        except FreeTokenError as exc:   # raised here (auth) or escaped from a streaming body
+        except FreeTokenError as exc:  # raised here (auth) or escaped from a streaming body
             self.metrics.errors.labels(exc.type).inc()
             if not info["started"]:
                 await _error_response(exc)(scope, receive, _send)
@@ -76,17 +90,28 @@ class _Edge:
             logger.error("request %s failed:\n%s", info["id"], traceback.format_exc())
             self.metrics.errors.labels("server_error").inc()
             if not info["started"]:
-                err = ServerError(f"Internal server error; request id {info['id']}",
-                                  code=info["id"])
+                err = ServerError(
+                    f"Internal server error; request id {info['id']}", code=info["id"]
+                )
                 await _error_response(err)(scope, receive, _send)
         finally:
             route = scope.get("path", "")
-            self.metrics.http.labels(route if route.startswith(("/v1/", "/tok", "/det")) else
-                                     "other", str(info["status"])).inc()
-            logger.info("%s %s %s status=%s prompt_tokens=%d cached_tokens=%d "
-                        "output_tokens=%d latency_ms=%.1f", info["id"], scope.get("method"),
-                        route, info["status"], info["prompt_tokens"], info["cached_tokens"],
-                        info["output_tokens"], 1000 * (time.perf_counter() - t0))
+            self.metrics.http.labels(
+                route if route.startswith(("/v1/", "/tok", "/det")) else "other",
+                str(info["status"]),
+            ).inc()
+            logger.info(
+                "%s %s %s status=%s prompt_tokens=%d cached_tokens=%d "
+                "output_tokens=%d latency_ms=%.1f",
+                info["id"],
+                scope.get("method"),
+                route,
+                info["status"],
+                info["prompt_tokens"],
+                info["cached_tokens"],
+                info["output_tokens"],
+                1000 * (time.perf_counter() - t0),
+            )
 
     def _check_auth(self, scope) -> None:
         if self.api_key is None or scope.get("path", "").startswith(_OPEN_PATHS):
@@ -105,8 +130,15 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Handlers:
-    def __init__(self, engine, *, served_model_name: str, max_batch_prompts: int,
-                 max_body_bytes: int, metrics: Metrics):
+    def __init__(
+        self,
+        engine,
+        *,
+        served_model_name: str,
+        max_batch_prompts: int,
+        max_body_bytes: int,
+        metrics: Metrics,
+    ):
         self.engine = engine
         self.tok = engine.tokenizer
         self.limits = engine.limits
@@ -135,8 +167,9 @@ class _Handlers:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise NotFound(f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+            raise NotFound(
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
 
     async def _submit(self, prompt_ids, params, erid):
         stream = self.engine.submit(prompt_ids, params, request_id=erid)
@@ -164,7 +197,11 @@ class _Handlers:
     @staticmethod
     def _check_out(out) -> None:
         if out.finish_reason == "error" or getattr(out, "error", None):
-            raise ServerError(f"The engine failed on this request: {out.error}")
+            raise ServerError(
+                f"The engine failed on request {out.request_id}: {out.error}", code=out.request_id
+            )
+        if out.finish_reason == "abort":  # not ours: we stop reading before we abort
+            raise EngineDead("The engine stopped before this request finished.")
 
     def _usage(self, parsed, jobs) -> dict:
         n = parsed.n
@@ -203,14 +240,17 @@ class _Handlers:
         if chat:
             parsed = protocol.parse_chat(body, self.limits, self.tok)
         else:
-            parsed = protocol.parse_completion(body, self.limits, self.tok,
-                                               max_batch_prompts=self.max_batch_prompts)
+            parsed = protocol.parse_completion(
+                body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
+            )
         self._check_model(parsed.model)
         jobs = await self._start(parsed, rid, chat)
         if parsed.stream:
-            return StreamingResponse(self._stream(request, parsed, rid, jobs, chat, t0),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._stream(request, parsed, rid, jobs, chat, t0),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await self._collect(request, parsed, rid, jobs, chat, t0)
 
     async def _collect(self, request, parsed, rid, jobs, chat, t0) -> Response:
@@ -287,11 +327,15 @@ class _Handlers:
                 if chat:
                     if not (frag.text or frag.logprobs or frag.finish_reason or first_chunk[index]):
                         continue
-                    yield _sse(protocol.chat_chunk(rid, model, created, index, frag,
-                                                   first=first_chunk[index]))
+                    yield _sse(
+                        protocol.chat_chunk(
+                            rid, model, created, index, frag, first=first_chunk[index]
+                        )
+                    )
                 else:
-                    if not (frag.text or frag.logprobs or frag.finish_reason
-                            or frag.prompt_logprobs):
+                    if not (
+                        frag.text or frag.logprobs or frag.finish_reason or frag.prompt_logprobs
+                    ):
                         continue
                     yield _sse(protocol.completion_chunk(rid, model, created, index, frag))
                 first_chunk[index] = False
@@ -317,9 +361,20 @@ class _Handlers:
     # ---- other endpoints ---------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "freetoken", "max_model_len": self.limits.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "freetoken",
+                        "max_model_len": self.limits.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
@@ -334,14 +389,20 @@ class _Handlers:
 
     async def tokenizer_info(self, request: Request) -> Response:
         t = self.tok
-        return JSONResponse({
-            "tokenizer_class": type(t).__name__, "vocab_size": self.limits.vocab_size,
-            "bos_token": t.bos_token, "bos_token_id": t.bos_token_id,
-            "eos_token": t.eos_token, "eos_token_id": t.eos_token_id,
-            "add_bos_token": bool(getattr(t, "add_bos_token", False)),
-            "max_model_len": self.limits.max_model_len,
-            "model_max_length": self.limits.max_model_len,
-            "chat_template": getattr(t, "chat_template", None)})
+        return JSONResponse(
+            {
+                "tokenizer_class": type(t).__name__,
+                "vocab_size": self.limits.vocab_size,
+                "bos_token": t.bos_token,
+                "bos_token_id": t.bos_token_id,
+                "eos_token": t.eos_token,
+                "eos_token_id": t.eos_token_id,
+                "add_bos_token": bool(getattr(t, "add_bos_token", False)),
+                "max_model_len": self.limits.max_model_len,
+                "model_max_length": self.limits.max_model_len,
+                "chat_template": getattr(t, "chat_template", None),
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         alive = getattr(self.engine, "is_alive", None)
@@ -351,8 +412,9 @@ class _Handlers:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(self.metrics.render(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -373,53 +435,102 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def openapi_document() -> dict:
-    models = [protocol.CompletionRequest, protocol.ChatCompletionRequest,
-              protocol.TokenizeRequest, protocol.DetokenizeRequest]
-    refs, schema = models_json_schema([(m, "validation") for m in models],
-                                      ref_template="#/components/schemas/{model}")
-    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}},
-        "required": ["message", "type", "param", "code"]}}, "required": ["error"]}
+    models = [
+        protocol.CompletionRequest,
+        protocol.ChatCompletionRequest,
+        protocol.TokenizeRequest,
+        protocol.DetokenizeRequest,
+    ]
+    refs, schema = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    error = {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "integer", "null"]},
+                },
+                "required": ["message", "type", "param", "code"],
+            }
+        },
+        "required": ["error"],
+    }
     components = dict(schema.get("$defs", {}))
     components["ErrorResponse"] = error
-    errors = {str(code): {"description": desc, "content": {"application/json": {"schema": {
-        "$ref": "#/components/schemas/ErrorResponse"}}}}
-        for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
-                           (404, "unknown model"), (413, "body too large"),
-                           (503, "overloaded or engine down"), (500, "server error"))}
+    errors = {
+        str(code): {
+            "description": desc,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+            },
+        }
+        for code, desc in (
+            (400, "invalid request"),
+            (401, "missing or wrong API key"),
+            (404, "unknown model"),
+            (413, "body too large"),
+            (503, "overloaded or engine down"),
+            (500, "server error"),
+        )
+    }
 
     def post(model, summary):
         ref = refs[(model, "validation")]
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref}}},
-            "responses": {"200": {"description": "OK (JSON, or text/event-stream when "
-                                  "stream is true)"}, **errors}}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+                "responses": {
+                    "200": {"description": "OK (JSON, or text/event-stream when stream is true)"},
+                    **errors,
+                },
+            }
+        }
 
     def get(summary):
         return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
 
-    return {"openapi": "3.1.0", "info": {"title": "FreeToken", "version": __version__},
-            "paths": {
-                "/v1/completions": post(protocol.CompletionRequest, "Text completion"),
-                "/v1/chat/completions": post(protocol.ChatCompletionRequest, "Chat completion"),
-                "/tokenize": post(protocol.TokenizeRequest, "Tokenize a prompt or messages"),
-                "/detokenize": post(protocol.DetokenizeRequest, "Detokenize token ids"),
-                "/v1/models": get("The served model"),
-                "/tokenizer_info": get("Tokenizer facts"), "/health": get("Liveness"),
-                "/metrics": get("Prometheus metrics"), "/version": get("Version"),
-                "/openapi.json": get("This document")},
-            "components": {"schemas": components}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "FreeToken", "version": __version__},
+        "paths": {
+            "/v1/completions": post(protocol.CompletionRequest, "Text completion"),
+            "/v1/chat/completions": post(protocol.ChatCompletionRequest, "Chat completion"),
+            "/tokenize": post(protocol.TokenizeRequest, "Tokenize a prompt or messages"),
+            "/detokenize": post(protocol.DetokenizeRequest, "Detokenize token ids"),
+            "/v1/models": get("The served model"),
+            "/tokenizer_info": get("Tokenizer facts"),
+            "/health": get("Liveness"),
+            "/metrics": get("Prometheus metrics"),
+            "/version": get("Version"),
+            "/openapi.json": get("This document"),
+        },
+        "components": {"schemas": components},
+    }
 
 
-def create_app(engine, *, served_model_name: str = "SmolLM2-135M-Instruct",
-               api_key: str | None = None, max_batch_prompts: int = 64,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def create_app(
+    engine,
+    *,
+    served_model_name: str = "SmolLM2-135M-Instruct",
+    api_key: str | None = None,
+    max_batch_prompts: int = 64,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
     """The app over a started engine. The caller owns the engine's lifetime."""
     metrics = Metrics(engine)
-    h = _Handlers(engine, served_model_name=served_model_name,
-                  max_batch_prompts=max_batch_prompts, max_body_bytes=max_body_bytes,
-                  metrics=metrics)
+    h = _Handlers(
+        engine,
+        served_model_name=served_model_name,
+        max_batch_prompts=max_batch_prompts,
+        max_body_bytes=max_body_bytes,
+        metrics=metrics,
+    )
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
@@ -440,14 +551,17 @@ def create_app(engine, *, served_model_name: str = "SmolLM2-135M-Instruct",
     async def on_http(request: Request, exc: HTTPException) -> Response:
         kind = NotFound if exc.status_code == 404 else InvalidRequest
         err = kind(f"{request.method} {request.url.path}: {exc.detail}")
-        return JSONResponse(err.to_body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            err.to_body(), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     async def on_gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)
 
-    app = Starlette(routes=routes, exception_handlers={
-        FreeTokenError: on_error, HTTPException: on_http, _ClientGone: on_gone})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={FreeTokenError: on_error, HTTPException: on_http, _ClientGone: on_gone},
+    )
     app.add_middleware(_Edge, api_key=api_key, metrics=metrics)
     app.state.metrics = metrics
     app.state.engine = engine

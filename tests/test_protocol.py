@@ -100,21 +100,40 @@ def refused(body, param, message=None, fn=parse):
 
 # ---- the seed refusals (seed document 001) -------------------------------------------------
 
+
 def test_seed_refusals_exact():
     refused({"prompt": []}, "prompt", "prompt: an empty token-id array cannot be evaluated")
     refused({"prompt": [1, "2"]}, "prompt[1]", "prompt[1] is not an integer token id")
-    refused({"prompt": [999999999]}, "prompt[0]",
-            "prompt[0] = 999999999 is outside the vocabulary (0..299)")
+    refused(
+        {"prompt": [999999999]},
+        "prompt[0]",
+        "prompt[0] = 999999999 is outside the vocabulary (0..299)",
+    )
     refused({"prompt": {"a": 1}}, "prompt", "prompt must be a string or an array of token ids")
 
 
-@pytest.mark.parametrize("prompt,param", [
-    ([[]], "prompt[0]"), ([[1, 2], []], "prompt[1]"), ([1, True], "prompt[1]"),
-    ([2.5], "prompt[0]"), ([1.0], "prompt[0]"), ([[1, 2], [3, "4"]], "prompt[1][1]"),
-    ([[1], [2, 300]], "prompt[1][1]"), ([-1], "prompt[0]"), (["a", 1], "prompt[1]"),
-    ([[1], 2], "prompt[1]"), ([1, [2]], "prompt[1]"), (["a", ""], "prompt[1]"), ("", "prompt"),
-    (5, "prompt"), (None, "prompt"), (True, "prompt"), ([None], "prompt[0]"),
-])
+@pytest.mark.parametrize(
+    "prompt,param",
+    [
+        ([[]], "prompt[0]"),
+        ([[1, 2], []], "prompt[1]"),
+        ([1, True], "prompt[1]"),
+        ([2.5], "prompt[0]"),
+        ([1.0], "prompt[0]"),
+        ([[1, 2], [3, "4"]], "prompt[1][1]"),
+        ([[1], [2, 300]], "prompt[1][1]"),
+        ([-1], "prompt[0]"),
+        (["a", 1], "prompt[1]"),
+        ([[1], 2], "prompt[1]"),
+        ([1, [2]], "prompt[1]"),
+        (["a", ""], "prompt[1]"),
+        ("", "prompt"),
+        (5, "prompt"),
+        (None, "prompt"),
+        (True, "prompt"),
+        ([None], "prompt[0]"),
+    ],
+)
 def test_prompt_refusals_name_position(prompt, param):
     e = refused({"prompt": prompt}, param)
     assert param in e.message
@@ -148,8 +167,9 @@ def test_max_batch_prompts():
 def test_context_too_long():
     with pytest.raises(ContextTooLong) as ei:
         parse({"prompt": [1] * 60, "max_tokens": 5})
-    assert ei.value.message == ("You passed 60 input tokens and requested 5 output tokens; "
-                                "the context is 64")
+    assert ei.value.message == (
+        "You passed 60 input tokens and requested 5 output tokens; the context is 64"
+    )
     assert ei.value.param == "max_tokens"
     parse({"prompt": [1] * 60, "max_tokens": 4})
     with pytest.raises(ContextTooLong) as ei:
@@ -159,64 +179,114 @@ def test_context_too_long():
 
 # ---- fields --------------------------------------------------------------------------------
 
+
 def test_unknown_field():
     refused({"prompt": "a", "foo": 1}, "foo", "Unrecognized request argument supplied: foo")
-    refused({"prompt": "a", "stream_options": {"x": 1}}, "stream_options.x",
-            "Unrecognized request argument supplied: stream_options.x")
+    refused(
+        {"prompt": "a", "stream_options": {"x": 1}},
+        "stream_options.x",
+        "Unrecognized request argument supplied: stream_options.x",
+    )
 
 
-@pytest.mark.parametrize("name,value", [
-    ("best_of", 2), ("use_beam_search", True), ("suffix", "x"), ("guided_json", {}),
-    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"),
-    ("structured_outputs", {"json": {}}), ("response_format", {"type": "json_object"}),
-    ("prompt_embeds", "abc"), ("truncate_prompt_tokens", 5), ("length_penalty", 2.0),
-    ("bad_words", ["x"]), ("spaces_between_special_tokens", False),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("best_of", 2),
+        ("use_beam_search", True),
+        ("suffix", "x"),
+        ("guided_json", {}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["a"]),
+        ("guided_grammar", "g"),
+        ("structured_outputs", {"json": {}}),
+        ("response_format", {"type": "json_object"}),
+        ("prompt_embeds", "abc"),
+        ("truncate_prompt_tokens", 5),
+        ("length_penalty", 2.0),
+        ("bad_words", ["x"]),
+        ("spaces_between_special_tokens", False),
+    ],
+)
 def test_unimplemented_fields_refused(name, value):
     refused({"prompt": "a", name: value}, name, f"{name} is not supported")
 
 
-@pytest.mark.parametrize("name,value", [
-    ("best_of", 1), ("use_beam_search", False), ("suffix", None), ("suffix", ""),
-    ("guided_json", None), ("response_format", {"type": "text"}), ("logit_bias", {}),
-    ("presence_penalty", 0.0), ("frequency_penalty", 0), ("repetition_penalty", 1.0),
-    ("user", "me"), ("prompt_embeds", None), ("truncate_prompt_tokens", None),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("best_of", 1),
+        ("use_beam_search", False),
+        ("suffix", None),
+        ("suffix", ""),
+        ("guided_json", None),
+        ("response_format", {"type": "text"}),
+        ("logit_bias", {}),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0),
+        ("repetition_penalty", 1.0),
+        ("user", "me"),
+        ("prompt_embeds", None),
+        ("truncate_prompt_tokens", None),
+    ],
+)
 def test_neutral_values_accepted(name, value):
     parse({"prompt": "a", name: value})
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
-    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"), ({"temperature": "1"}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"n": True}, "n"), ({"seed": 1.0}, "seed"),
-    ({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-    ({"echo": 1}, "echo"), ({"stream": "yes"}, "stream"),
-    ({"stop": 3}, "stop"), ({"stop": ["a", 3]}, "stop[1]"), ({"stop": [""]}, "stop[0]"),
-    ({"stop_token_ids": [1, 300]}, "stop_token_ids[1]"),
-    ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"allowed_token_ids": [1, 2, 300]}, "allowed_token_ids[2]"),
-    ({"allowed_token_ids": [1, False]}, "allowed_token_ids[1]"),
-    ({"allowed_token_ids": [1, 2.0]}, "allowed_token_ids[1]"),
-    ({"logit_bias": {"300": 1}}, "logit_bias.300"), ({"logit_bias": {"x": 1}}, "logit_bias.x"),
-    ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
-    ({"logit_bias": {"5": True}}, "logit_bias.5"),
-    ({"logprob_token_ids": [1]}, "logprob_token_ids"),
-    ({"logprobs": 1, "logprob_token_ids": [300]}, "logprob_token_ids[0]"),
-    ({"min_tokens": 20}, "min_tokens"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"temperature": float("nan")}, "temperature"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"n": True}, "n"),
+        ({"seed": 1.0}, "seed"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"echo": 1}, "echo"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ["a", 3]}, "stop[1]"),
+        ({"stop": [""]}, "stop[0]"),
+        ({"stop_token_ids": [1, 300]}, "stop_token_ids[1]"),
+        ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, 2, 300]}, "allowed_token_ids[2]"),
+        ({"allowed_token_ids": [1, False]}, "allowed_token_ids[1]"),
+        ({"allowed_token_ids": [1, 2.0]}, "allowed_token_ids[1]"),
+        ({"logit_bias": {"300": 1}}, "logit_bias.300"),
+        ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+        ({"logit_bias": {"5": True}}, "logit_bias.5"),
+        ({"logprob_token_ids": [1]}, "logprob_token_ids"),
+        ({"logprobs": 1, "logprob_token_ids": [300]}, "logprob_token_ids[0]"),
+        ({"min_tokens": 20}, "min_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
 def test_field_refusals(body, param):
     refused({"prompt": "a", **body}, param)
 
 
 def test_logprobs_cap_message():
-    refused({"prompt": "a", "logprobs": 21}, "logprobs",
-            "Requested logprobs of 21, which is greater than max allowed: 20")
+    refused(
+        {"prompt": "a", "logprobs": 21},
+        "logprobs",
+        "Requested logprobs of 21, which is greater than max allowed: 20",
+    )
     parse({"prompt": "a", "logprobs": 20})
 
 
@@ -226,9 +296,22 @@ def test_not_an_object():
 
 
 def test_sampling_params_built():
-    p = parse({"prompt": "a", "max_tokens": 3, "temperature": 0, "top_k": 0, "seed": 7,
-               "stop": "x", "allowed_token_ids": [5, 3, 5], "logit_bias": {"4": -100},
-               "logprobs": 2, "logprob_token_ids": [9], "n": 3, "ignore_eos": True})
+    p = parse(
+        {
+            "prompt": "a",
+            "max_tokens": 3,
+            "temperature": 0,
+            "top_k": 0,
+            "seed": 7,
+            "stop": "x",
+            "allowed_token_ids": [5, 3, 5],
+            "logit_bias": {"4": -100},
+            "logprobs": 2,
+            "logprob_token_ids": [9],
+            "n": 3,
+            "ignore_eos": True,
+        }
+    )
     sp = p.params
     assert sp.max_tokens == 3 and sp.temperature == 0 and sp.top_k == -1 and sp.seed == 7
     assert sp.stop == ["x"] and sorted(sp.allowed_token_ids) == [3, 5]
@@ -246,13 +329,20 @@ def test_echo_requests_prompt_logprobs():
 
 # ---- chat ----------------------------------------------------------------------------------
 
+
 def chat(body):
     return protocol.parse_chat(body, LIM, TOK)
 
 
 def test_chat_parse():
-    p = chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
-              "top_logprobs": 2})
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+    )
     assert p.prompts[0].ids == list(b"<user>hi\n<assistant>")
     assert p.params.logprobs == 2 and p.logprobs == 2
     p = chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
@@ -260,32 +350,48 @@ def test_chat_parse():
     assert p.params.max_tokens == LIM.max_model_len - len(p.prompts[0].ids)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "a"},
-                   {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[1].content[0]"),
-    ({"messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
-    ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 100}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                ]
+            },
+            "messages[1].content[0]",
+        ),
+        ({"messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
+        ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 100}, "max_tokens"),
+    ],
+)
 def test_chat_refusals(body, param):
     refused(body, param, fn=chat)
 
 
 # ---- responses -----------------------------------------------------------------------------
 
+
 def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
     p = parse({"prompt": [104, 105], "logprobs": 1, "max_tokens": 2})
     st = protocol.ChoiceState(TOK, p, p.prompts[0])
     f1 = st.feed(Out([120], "x", [TL(120, -2.0, 3, [(50, -0.1)])], num_cached_tokens=1))
-    f2 = st.feed(Out([121], "y", [TL(121, -0.5, 1, [(121, -0.5)])], finished=True,
-                     finish_reason="length"))
+    f2 = st.feed(
+        Out([121], "y", [TL(121, -0.5, 1, [(121, -0.5)])], finished=True, finish_reason="length")
+    )
     m = protocol.merge_fragments([f1, f2])
     lp = m.logprobs.to_dict()
     assert m.text == "xy" and m.finish_reason == "length"
@@ -299,8 +405,15 @@ def test_token_id_keys_do_not_collide():
     p = parse({"prompt": [1], "logprobs": 2, "return_tokens_as_token_ids": True})
     st = protocol.ChoiceState(TOK, p, p.prompts[0])
     # 0xC3 and 0xC4 both decode to U+FFFD alone: text keys would collide
-    f = st.feed(Out([0xC3], "", [TL(0xC3, -0.7, 1, [(0xC3, -0.7), (0xC4, -0.8)])],
-                    finished=True, finish_reason="length"))
+    f = st.feed(
+        Out(
+            [0xC3],
+            "",
+            [TL(0xC3, -0.7, 1, [(0xC3, -0.7), (0xC4, -0.8)])],
+            finished=True,
+            finish_reason="length",
+        )
+    )
     lp = f.logprobs.to_dict()
     assert lp["tokens"] == ["token_id:195"]
     assert lp["top_logprobs"] == [{"token_id:195": -0.7, "token_id:196": -0.8}]
@@ -310,8 +423,16 @@ def test_echo_logprobs_first_null():
     p = parse({"prompt": [104, 105, 106], "logprobs": 1, "echo": True, "max_tokens": 1})
     st = protocol.ChoiceState(TOK, p, p.prompts[0])
     plps = [None, TL(105, -1.0, 2, [(1, -0.5)]), TL(106, -2.0, 1, [(106, -2.0)])]
-    f = st.feed(Out([33], "!", [TL(33, -0.3, 1, [(33, -0.3)])], prompt_logprobs=plps,
-                    finished=True, finish_reason="length"))
+    f = st.feed(
+        Out(
+            [33],
+            "!",
+            [TL(33, -0.3, 1, [(33, -0.3)])],
+            prompt_logprobs=plps,
+            finished=True,
+            finish_reason="length",
+        )
+    )
     lp = f.logprobs.to_dict()
     assert f.text == "hij!"
     assert lp["tokens"] == ["h", "i", "j", "!"]
@@ -322,17 +443,30 @@ def test_echo_logprobs_first_null():
 
 
 def test_score_only_drops_generated():
-    p = parse({"prompt": [104, 105], "logprobs": 0, "echo": True, "max_tokens": 0,
-               "prompt_logprobs": 1})
+    p = parse(
+        {"prompt": [104, 105], "logprobs": 0, "echo": True, "max_tokens": 0, "prompt_logprobs": 1}
+    )
     st = protocol.ChoiceState(TOK, p, p.prompts[0])
     plps = [None, TL(105, -1.0, 2, [(1, -0.5)])]
-    f = st.feed(Out([33], "!", [TL(33, -0.3, 1, [])], prompt_logprobs=plps, finished=True,
-                    finish_reason="length"))
+    f = st.feed(
+        Out(
+            [33],
+            "!",
+            [TL(33, -0.3, 1, [])],
+            prompt_logprobs=plps,
+            finished=True,
+            finish_reason="length",
+        )
+    )
     assert f.text == "hi" and st.num_output_tokens == 0
     assert f.logprobs.to_dict()["token_logprobs"] == [None, -1.0]
-    assert f.prompt_logprobs == [None, {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "\x01"},
-                                        "105": {"logprob": -1.0, "rank": 2,
-                                                "decoded_token": "i"}}]
+    assert f.prompt_logprobs == [
+        None,
+        {
+            "1": {"logprob": -0.5, "rank": 1, "decoded_token": "\x01"},
+            "105": {"logprob": -1.0, "rank": 2, "decoded_token": "i"},
+        },
+    ]
 
 
 def test_utf8_offsets_real():
@@ -344,27 +478,50 @@ def test_utf8_offsets_real():
 
 
 def test_chat_logprobs_shape():
-    p = chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-              "top_logprobs": 1, "max_tokens": 2})
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+            "max_tokens": 2,
+        }
+    )
     st = protocol.ChatChoiceState(TOK, p, p.prompts[0])
-    f = st.feed(Out([65], "A", [TL(65, -0.1, 1, [(65, -0.1), (66, -3.0)])], finished=True,
-                    finish_reason="stop"))
+    f = st.feed(
+        Out(
+            [65],
+            "A",
+            [TL(65, -0.1, 1, [(65, -0.1), (66, -3.0)])],
+            finished=True,
+            finish_reason="stop",
+        )
+    )
     c = protocol.chat_choice(0, f)
     assert c["message"] == {"role": "assistant", "content": "A"}
-    assert c["logprobs"]["content"] == [{"token": "A", "logprob": -0.1, "bytes": [65],
-                                         "top_logprobs": [{"token": "A", "logprob": -0.1,
-                                                           "bytes": [65]}]}]
+    assert c["logprobs"]["content"] == [
+        {
+            "token": "A",
+            "logprob": -0.1,
+            "bytes": [65],
+            "top_logprobs": [{"token": "A", "logprob": -0.1, "bytes": [65]}],
+        }
+    ]
     assert c["finish_reason"] == "stop"
 
 
 def test_usage_dict():
     u = protocol.usage_dict(5, 2, 3)
-    assert u == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-                 "prompt_tokens_details": {"cached_tokens": 3}}
+    assert u == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 def test_openapi_schemas_are_the_models():
     from freetoken.server import openapi_document
+
     doc = openapi_document()
     comp = doc["components"]["schemas"]["CompletionRequest"]
     assert comp["additionalProperties"] is False

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512
-YES, NO = 9230, 2838                      # " Yes", " No" in SmolLM2's vocabulary
+YES, NO = 9230, 2838  # " Yes", " No" in SmolLM2's vocabulary
 QUESTION = "Is the sky blue? Answer Yes or No:"
-ID_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]   # "<|im_start|>system\n..."
+ID_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]  # "<|im_start|>system\n..."
 
 _SERVER: dict = {}
 
@@ -70,13 +70,20 @@ def get_server() -> Server:
 
     torch.set_num_threads(1)
     loaded = load_model(None, dtype=torch.float32, device="cpu")
-    engine = Engine(EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory=96 << 20,
-                                 max_num_seqs=16, max_num_batched_tokens=512), loaded).start()
-    app = create_app(engine, served_model_name=MODEL, max_batch_prompts=8,
-                     max_body_bytes=1 << 20)
+    engine = Engine(
+        EngineConfig(
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory=96 << 20,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+        ),
+        loaded,
+    ).start()
+    app = create_app(engine, served_model_name=MODEL, max_batch_prompts=8, max_body_bytes=1 << 20)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -102,16 +109,19 @@ def error_of(r: httpx.Response, status: int = 400) -> dict:
 
 # ---- refusals --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt,param,message", [
-    ([], "prompt", "prompt: an empty token-id array cannot be evaluated"),
-    ([1, "2"], "prompt[1]", "prompt[1] is not an integer token id"),
-    ([999999999], "prompt[0]", "prompt[0] = 999999999 is outside the vocabulary (0..49151)"),
-    ({"a": 1}, "prompt", "prompt must be a string or an array of token ids"),
-])
+
+@pytest.mark.parametrize(
+    "prompt,param,message",
+    [
+        ([], "prompt", "prompt: an empty token-id array cannot be evaluated"),
+        ([1, "2"], "prompt[1]", "prompt[1] is not an integer token id"),
+        ([999999999], "prompt[0]", "prompt[0] = 999999999 is outside the vocabulary (0..49151)"),
+        ({"a": 1}, "prompt", "prompt must be a string or an array of token ids"),
+    ],
+)
 def test_seed_refusals_exact(srv, prompt, param, message):
     e = error_of(srv.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}))
-    assert e == {"message": message, "type": "invalid_request_error", "param": param,
-                 "code": None}
+    assert e == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
 
 
 REFUSALS = [
@@ -122,29 +132,44 @@ REFUSALS = [
     ({"prompt": [1, True]}, "prompt[1]", "prompt[1] is not an integer token id"),
     ({"prompt": [1, 2.5]}, "prompt[1]", "prompt[1] is not an integer token id"),
     ({"prompt": [[1, 2], [3, "4"]]}, "prompt[1][1]", "prompt[1][1] is not an integer token id"),
-    ({"prompt": [[1], [2, 49152]]}, "prompt[1][1]",
-     "prompt[1][1] = 49152 is outside the vocabulary (0..49151)"),
+    (
+        {"prompt": [[1], [2, 49152]]},
+        "prompt[1][1]",
+        "prompt[1][1] = 49152 is outside the vocabulary (0..49151)",
+    ),
     ({"prompt": [-1]}, "prompt[0]", "prompt[0] = -1 is outside the vocabulary"),
     ({"prompt": ["a", 1]}, "prompt[1]", "prompt[1]"),
     ({"prompt": [[1], 2]}, "prompt[1]", "prompt[1]"),
     ({"prompt": 7}, "prompt", "prompt must be a string or an array of token ids"),
     ({"prompt": None}, "prompt", "prompt must be a string or an array of token ids"),
     ({"prompt": [[1]] * 9}, "prompt", "--max-batch-prompts"),
-    ({"prompt": [1] * 500, "max_tokens": 20}, "max_tokens",
-     "You passed 500 input tokens and requested 20 output tokens; the context is 512"),
+    (
+        {"prompt": [1] * 500, "max_tokens": 20},
+        "max_tokens",
+        "You passed 500 input tokens and requested 20 output tokens; the context is 512",
+    ),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "max_tokens": True}, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids"),
-    ({"prompt": "hi", "allowed_token_ids": [1, 2, 49152]}, "allowed_token_ids[2]",
-     "allowed_token_ids[2] = 49152 is outside the vocabulary (0..49151)"),
-    ({"prompt": "hi", "allowed_token_ids": [1, True]}, "allowed_token_ids[1]",
-     "allowed_token_ids[1]"),
+    (
+        {"prompt": "hi", "allowed_token_ids": [1, 2, 49152]},
+        "allowed_token_ids[2]",
+        "allowed_token_ids[2] = 49152 is outside the vocabulary (0..49151)",
+    ),
+    (
+        {"prompt": "hi", "allowed_token_ids": [1, True]},
+        "allowed_token_ids[1]",
+        "allowed_token_ids[1]",
+    ),
     ({"prompt": "hi", "logit_bias": {"50000": 1}}, "logit_bias.50000", "logit_bias.50000"),
     ({"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias.5", "logit_bias.5"),
     ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids[0]", "stop_token_ids[0]"),
-    ({"prompt": "hi", "logprobs": 21}, "logprobs",
-     "Requested logprobs of 21, which is greater than max allowed: 20"),
+    (
+        {"prompt": "hi", "logprobs": 21},
+        "logprobs",
+        "Requested logprobs of 21, which is greater than max allowed: 20",
+    ),
     ({"prompt": "hi", "logprob_token_ids": [5]}, "logprob_token_ids", "requires logprobs"),
     ({"prompt": "hi", "best_of": 2}, "best_of", "best_of is not supported"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not"),
@@ -154,8 +179,11 @@ REFUSALS = [
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format", "not sup"),
     ({"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds", "prompt_embeds is not"),
     ({"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens", "is not supported"),
-    ({"prompt": "hi", "frobnicate": 1}, "frobnicate",
-     "Unrecognized request argument supplied: frobnicate"),
+    (
+        {"prompt": "hi", "frobnicate": 1},
+        "frobnicate",
+        "Unrecognized request argument supplied: frobnicate",
+    ),
     ({"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, "n", "n"),
@@ -172,10 +200,21 @@ def test_completion_refusals(srv, body, param, fragment):
 
 
 def test_neutral_values_accepted(srv):
-    out = srv.complete({"prompt": "hi", "max_tokens": 1, "best_of": 1, "use_beam_search": False,
-                        "suffix": None, "logit_bias": {}, "presence_penalty": 0,
-                        "frequency_penalty": 0.0, "user": "u", "response_format": None,
-                        "temperature": 0})
+    out = srv.complete(
+        {
+            "prompt": "hi",
+            "max_tokens": 1,
+            "best_of": 1,
+            "use_beam_search": False,
+            "suffix": None,
+            "logit_bias": {},
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "user": "u",
+            "response_format": None,
+            "temperature": 0,
+        }
+    )
     assert out["usage"]["completion_tokens"] == 1
 
 
@@ -183,14 +222,20 @@ CHAT_REFUSALS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0]"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0]",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [49152]},
-     "allowed_token_ids[0]"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [49152]},
+        "allowed_token_ids[0]",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "foo": 1}, "foo"),
 ]
@@ -219,11 +264,12 @@ def test_other_errors(srv):
 
 # ---- prompts --------------------------------------------------------------------------------
 
+
 def test_id_prompt_used_exactly(srv):
     out = srv.complete({"prompt": ID_PROMPT, "max_tokens": 1, "temperature": 0, "echo": True})
     assert out["usage"]["prompt_tokens"] == len(ID_PROMPT)
     text = out["choices"][0]["text"]
-    assert text.startswith("<|im_start|>system")            # the ids, nothing prepended
+    assert text.startswith("<|im_start|>system")  # the ids, nothing prepended
     # the same ids in a batch, twice
     out = srv.complete({"prompt": [ID_PROMPT, ID_PROMPT[:4]], "max_tokens": 1, "temperature": 0})
     assert out["usage"]["prompt_tokens"] == len(ID_PROMPT) + 4
@@ -245,20 +291,36 @@ def test_text_prompt_follows_bos_rule(srv):
 
 # ---- seed 002: the scoring reproduction -----------------------------------------------------
 
+
 def test_seed_002_reproduction(srv):
     base = {"prompt": QUESTION, "max_tokens": 1, "temperature": 0}
     out = srv.complete({**base, "allowed_token_ids": [YES, NO]})
     assert out["choices"][0]["text"] in (" Yes", " No")
     # sampling, many tokens: every one stays in the set
-    out = srv.complete({**base, "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
-                        "allowed_token_ids": [YES, NO], "logprobs": 0,
-                        "return_tokens_as_token_ids": True})
+    out = srv.complete(
+        {
+            **base,
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": 3,
+            "ignore_eos": True,
+            "allowed_token_ids": [YES, NO],
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+    )
     toks = out["choices"][0]["logprobs"]["tokens"]
     assert len(toks) == 12 and set(toks) <= {f"token_id:{YES}", f"token_id:{NO}"}
     # logprobs over the allowed set: only allowed ids, probabilities sum to 1
     for k in (2, 5):
-        out = srv.complete({**base, "allowed_token_ids": [YES, NO], "logprobs": k,
-                            "return_tokens_as_token_ids": True})
+        out = srv.complete(
+            {
+                **base,
+                "allowed_token_ids": [YES, NO],
+                "logprobs": k,
+                "return_tokens_as_token_ids": True,
+            }
+        )
         lp = out["choices"][0]["logprobs"]
         top = lp["top_logprobs"][0]
         assert set(top) == {f"token_id:{YES}", f"token_id:{NO}"}
@@ -269,51 +331,84 @@ def test_seed_002_reproduction(srv):
     assert set(out["choices"][0]["logprobs"]["top_logprobs"][0]) == {" Yes", " No"}
     # an id prompt, batched, as scoring clients send it
     ids = srv.engine.tokenizer.encode(QUESTION)
-    out = srv.complete({**base, "prompt": [ids, ids], "allowed_token_ids": [YES, NO],
-                        "logprobs": 2, "return_tokens_as_token_ids": True})
+    out = srv.complete(
+        {
+            **base,
+            "prompt": [ids, ids],
+            "allowed_token_ids": [YES, NO],
+            "logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        }
+    )
     assert len(out["choices"]) == 2
     assert out["choices"][0]["logprobs"] == out["choices"][1]["logprobs"]
-    e = error_of(srv.post("/v1/completions", {**base, "allowed_token_ids": [YES, NO],
-                                              "logprobs": 21}))
+    e = error_of(
+        srv.post("/v1/completions", {**base, "allowed_token_ids": [YES, NO], "logprobs": 21})
+    )
     assert e["param"] == "logprobs" and "20" in e["message"]
-    e = error_of(srv.post("/v1/completions", {**base, "allowed_token_ids": [YES, NO],
-                                              "guided_choice": ["Yes", "No"]}))
+    e = error_of(
+        srv.post(
+            "/v1/completions",
+            {**base, "allowed_token_ids": [YES, NO], "guided_choice": ["Yes", "No"]},
+        )
+    )
     assert e["message"] == "guided_choice is not supported"
 
 
 def test_top_logprobs_include_sampled_token(srv):
     # logprobs 1 with a logit_bias pushing a low-ranked token: top-1 plus the sampled one
-    out = srv.complete({"prompt": QUESTION, "max_tokens": 1, "temperature": 0, "logprobs": 1,
-                        "logit_bias": {str(NO): 100}, "return_tokens_as_token_ids": True})
+    out = srv.complete(
+        {
+            "prompt": QUESTION,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": 1,
+            "logit_bias": {str(NO): 100},
+            "return_tokens_as_token_ids": True,
+        }
+    )
     lp = out["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{NO}"]
     assert f"token_id:{NO}" in lp["top_logprobs"][0]
 
 
 def test_logprob_token_ids(srv):
-    out = srv.complete({"prompt": QUESTION, "max_tokens": 2, "temperature": 0, "logprobs": 1,
-                        "logprob_token_ids": [YES, NO, 5], "return_tokens_as_token_ids": True})
+    out = srv.complete(
+        {
+            "prompt": QUESTION,
+            "max_tokens": 2,
+            "temperature": 0,
+            "logprobs": 1,
+            "logprob_token_ids": [YES, NO, 5],
+            "return_tokens_as_token_ids": True,
+        }
+    )
     for top in out["choices"][0]["logprobs"]["top_logprobs"]:
         assert {f"token_id:{t}" for t in (YES, NO, 5)} <= set(top)
 
 
 # ---- echo / prompt logprobs -----------------------------------------------------------------
 
+
 def test_echo_logprobs_equal_engine_prompt_logprobs(srv):
     from freetoken.sampling_params import SamplingParams
 
     prompts = [ID_PROMPT, [4182, 260, 6376, 4461, 47]]
-    out = srv.complete({"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
-                        "logprobs": 2})
-    ref = srv.engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=2,
-                                                      prompt_logprobs=2))
+    out = srv.complete(
+        {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    )
+    ref = srv.engine.generate(
+        prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    )
     for choice, ids, r in zip(out["choices"], prompts, ref, strict=True):
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(ids) + 1
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         want = [tl.logprob for tl in r.prompt_logprobs[1:]] + [r.logprobs[0].logprob]
-        assert all(abs(a - b) < 1e-5 for a, b in zip(lp["token_logprobs"][1:], want)), \
-            (lp["token_logprobs"], want)
+        assert all(abs(a - b) < 1e-5 for a, b in zip(lp["token_logprobs"][1:], want)), (
+            lp["token_logprobs"],
+            want,
+        )
         assert choice["text"].endswith(r.new_text) and out["usage"]["completion_tokens"] == 2
         offsets = lp["text_offset"]
         assert offsets == sorted(offsets) and offsets[0] == 0
@@ -329,8 +424,9 @@ def test_echo_max_tokens_0_scores_prompt_only(srv):
 
 
 def test_prompt_logprobs_field(srv):
-    out = srv.complete({"prompt": ID_PROMPT, "max_tokens": 1, "temperature": 0,
-                        "prompt_logprobs": 1})
+    out = srv.complete(
+        {"prompt": ID_PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+    )
     plp = out["choices"][0]["prompt_logprobs"]
     assert len(plp) == len(ID_PROMPT) and plp[0] is None
     for pos in range(1, len(ID_PROMPT)):
@@ -339,6 +435,7 @@ def test_prompt_logprobs_field(srv):
 
 
 # ---- streaming ------------------------------------------------------------------------------
+
 
 def same_logprobs(a, b, tol: float = 1e-4) -> bool:
     """Equal structure, ids and text; floats within tol.
@@ -369,8 +466,13 @@ def sse(srv: Server, path: str, body: dict) -> list:
 
 
 def test_stream_equals_non_stream_completions(srv):
-    body = {"prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0,
-            "logprobs": 3, "echo": True}
+    body = {
+        "prompt": "The three primary colors are",
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 3,
+        "echo": True,
+    }
     full = srv.complete(body)["choices"][0]
     chunks = sse(srv, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     usage = chunks[-1]
@@ -390,8 +492,13 @@ def test_stream_equals_non_stream_completions(srv):
 
 
 def test_stream_equals_non_stream_chat(srv):
-    body = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 10,
-            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    body = {
+        "messages": [{"role": "user", "content": "Name a fruit."}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     r = srv.post("/v1/chat/completions", {"model": MODEL, **body})
     assert r.status_code == 200, r.text
     full = r.json()["choices"][0]
@@ -403,49 +510,82 @@ def test_stream_equals_non_stream_chat(srv):
     assert [e["token"] for e in content] == [e["token"] for e in full["logprobs"]["content"]]
     assert same_logprobs(content, full["logprobs"]["content"])
     for e in content:
-        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 2
+        assert (
+            set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 2
+        )
 
 
 def test_stream_n_and_batch_one_choice_per_chunk(srv):
-    chunks = sse(srv, "/v1/completions", {"prompt": [[4182, 260], [6376, 4461]], "n": 2,
-                                          "max_tokens": 3, "temperature": 0.8, "seed": 1})
+    chunks = sse(
+        srv,
+        "/v1/completions",
+        {
+            "prompt": [[4182, 260], [6376, 4461]],
+            "n": 2,
+            "max_tokens": 3,
+            "temperature": 0.8,
+            "seed": 1,
+        },
+    )
     assert all(len(c["choices"]) == 1 for c in chunks)
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2, 3}
 
 
-def test_disconnect_aborts(srv):
+def _wait_aborted(engine, seen: list) -> None:
+    deadline = time.time() + 20
+    while not seen and time.time() < deadline:
+        time.sleep(0.05)
+    assert seen, "the engine request was not aborted"
+    while engine.stats()["num_running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts(srv, stream):
     engine = srv.engine
     seen = []
     orig = engine.abort
     engine.abort = lambda rid: (seen.append(rid), orig(rid))[1]
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "stream": stream,
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
     try:
-        with srv.http.stream("POST", "/v1/completions",
-                             json={"model": MODEL, "prompt": "Once upon a time", "stream": True,
-                                   "max_tokens": 400, "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break
-        deadline = time.time() + 20
-        while not seen and time.time() < deadline:
-            time.sleep(0.05)
-        assert seen, "the engine request was not aborted"
-        while engine.stats()["num_running"] and time.time() < deadline:
-            time.sleep(0.05)
-        assert engine.stats()["num_running"] == 0
+        if stream:
+            with srv.http.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=1.0)
+        _wait_aborted(engine, seen)
     finally:
         engine.abort = orig
 
 
 # ---- sampling fields ------------------------------------------------------------------------
 
+
 def test_seed_and_n(srv):
-    body = {"prompt": "My favourite animal is", "max_tokens": 6, "temperature": 1.0, "seed": 11,
-            "n": 2, "logprobs": 0}
+    body = {
+        "prompt": "My favourite animal is",
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+        "logprobs": 0,
+    }
     a, b = srv.complete(body), srv.complete(body)
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
     assert [c["index"] for c in a["choices"]] == [0, 1]
-    assert a["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"])
-                                                  for c in a["choices"])
+    assert a["usage"]["completion_tokens"] == sum(
+        len(c["logprobs"]["tokens"]) for c in a["choices"]
+    )
     assert a["usage"]["prompt_tokens"] == len(srv.engine.tokenizer.encode(body["prompt"]))
 
 
@@ -454,10 +594,10 @@ def test_stop_string(srv):
     full = srv.complete(base)["choices"][0]["text"]
     assert " 7" in full, full
     cut = srv.complete({**base, "stop": [" 7"]})["choices"][0]
-    assert cut["text"] == full[:full.index(" 7")] and cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(" 7")] and cut["finish_reason"] == "stop"
     assert cut["stop_reason"] == " 7"
     kept = srv.complete({**base, "stop": " 7", "include_stop_str_in_output": True})["choices"][0]
-    assert kept["text"] == full[:full.index(" 7") + 2]
+    assert kept["text"] == full[: full.index(" 7") + 2]
 
 
 def test_prefix_cache_cached_tokens(srv):
@@ -469,19 +609,25 @@ def test_prefix_cache_cached_tokens(srv):
 
 # ---- chat and the other endpoints -----------------------------------------------------------
 
+
 def test_chat_and_tokenize_count(srv):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4,
-                                          "temperature": 0})
+    r = srv.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion"
     assert out["choices"][0]["message"]["role"] == "assistant"
     tk = srv.post("/tokenize", {"messages": msgs}).json()
     assert tk["count"] == out["usage"]["prompt_tokens"] == len(tk["tokens"])
-    assert tk["tokens"][0] == 1 and tk["tokens"][1] != 1          # the template's BOS, once
-    assert srv.post("/detokenize", {"tokens": tk["tokens"]}).json()["prompt"].startswith(
-        "<|im_start|>system\nBe brief.")
+    assert tk["tokens"][0] == 1 and tk["tokens"][1] != 1  # the template's BOS, once
+    assert (
+        srv.post("/detokenize", {"tokens": tk["tokens"]})
+        .json()["prompt"]
+        .startswith("<|im_start|>system\nBe brief.")
+    )
 
 
 def test_info_endpoints(srv):
@@ -515,41 +661,84 @@ def test_metrics_parse_and_move(srv):
     srv.complete({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     srv.post("/v1/completions", {"prompt": []})
     after = scrape()
-    for name in ("freetoken_requests_running", "freetoken_requests_waiting",
-                 "freetoken_kv_blocks_used", "freetoken_kv_blocks_total",
-                 "freetoken_prefix_cache_queries_total", "freetoken_prefix_cache_hits_total",
-                 "freetoken_time_to_first_token_seconds_count",
-                 "freetoken_e2e_request_latency_seconds_count"):
+    for name in (
+        "freetoken_requests_running",
+        "freetoken_requests_waiting",
+        "freetoken_kv_blocks_used",
+        "freetoken_kv_blocks_total",
+        "freetoken_prefix_cache_queries_total",
+        "freetoken_prefix_cache_hits_total",
+        "freetoken_time_to_first_token_seconds_count",
+        "freetoken_e2e_request_latency_seconds_count",
+    ):
         assert name in after, name
     assert after["freetoken_prompt_tokens_total"] > before.get("freetoken_prompt_tokens_total", 0)
-    assert after["freetoken_generation_tokens_total"] >= \
-        before.get("freetoken_generation_tokens_total", 0) + 3
-    assert after["freetoken_e2e_request_latency_seconds_count"] > \
-        before.get("freetoken_e2e_request_latency_seconds_count", 0)
+    assert (
+        after["freetoken_generation_tokens_total"]
+        >= before.get("freetoken_generation_tokens_total", 0) + 3
+    )
+    assert after["freetoken_e2e_request_latency_seconds_count"] > before.get(
+        "freetoken_e2e_request_latency_seconds_count", 0
+    )
     key = 'freetoken_request_success_total{"finish_reason": "length"}'
     assert after[key] > before.get(key, 0)
     key = 'freetoken_request_errors_total{"type": "invalid_request_error"}'
     assert after[key] > before.get(key, 0)
-    assert after["freetoken_prefix_cache_queries_total"] > \
-        before.get("freetoken_prefix_cache_queries_total", 0)
+    assert after["freetoken_prefix_cache_queries_total"] > before.get(
+        "freetoken_prefix_cache_queries_total", 0
+    )
 
 
 # ---- the CLI, as a subprocess ---------------------------------------------------------------
 
+
 def test_cli_subprocess_smoke(tmp_path: Path):
-    helptext = subprocess.run([sys.executable, "-m", "freetoken", "--help"], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
-    for flag in ("--model", "--host", "--port", "--served-model-name", "--max-logprobs",
-                 "--max-model-len", "--kv-cache-memory", "--max-num-seqs", "--api-key",
-                 "--dtype", "--device", "--no-prefix-cache", "--max-batch-prompts"):
+    helptext = subprocess.run(
+        [sys.executable, "-m", "freetoken", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-logprobs",
+        "--max-model-len",
+        "--kv-cache-memory",
+        "--max-num-seqs",
+        "--api-key",
+        "--dtype",
+        "--device",
+        "--no-prefix-cache",
+        "--max-batch-prompts",
+    ):
         assert flag in helptext, flag
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "freetoken", "--port", str(port), "--api-key", "sekret",
-         "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--served-model-name", "m"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "freetoken",
+            "--port",
+            str(port),
+            "--api-key",
+            "sekret",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "32MiB",
+            "--served-model-name",
+            "m",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -565,11 +754,16 @@ def test_cli_subprocess_smoke(tmp_path: Path):
         body = {"model": "m", "prompt": [1, 9690], "max_tokens": 2, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        r = httpx.post(url + "/v1/completions", json=body,
-                       headers={"Authorization": "Bearer wrong"})
+        r = httpx.post(
+            url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
-        r = httpx.post(url + "/v1/completions", json=body,
-                       headers={"Authorization": "Bearer sekret"}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer sekret"},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 2
         assert httpx.get(url + "/metrics").status_code == 200
@@ -578,5 +772,5 @@ def test_cli_subprocess_smoke(tmp_path: Path):
         proc.wait(30)
         log.close()
     text = (tmp_path / "server.log").read_text()
-    assert "prompt_tokens=2" in text and "status=200" in text     # the per-request log line
+    assert "prompt_tokens=2" in text and "status=200" in text  # the per-request log line
     assert "kernel backend" in text
