@@ -390,7 +390,14 @@ def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
     st = protocol.ChoiceState(TOK, p, p.prompts[0])
     f1 = st.feed(Out([120], "x", [TL(120, -2.0, 3, [(50, -0.1)])], num_cached_tokens=1))
     f2 = st.feed(
-        Out([121], "y", [TL(121, -0.5, 1, [(121, -0.5)])], finished=True, finish_reason="length")
+        Out(
+            [121],
+            "y",
+            [TL(121, -0.5, 1, [(121, -0.5)])],
+            finished=True,
+            finish_reason="length",
+            num_cached_tokens=1,
+        )
     )
     m = protocol.merge_fragments([f1, f2])
     lp = m.logprobs.to_dict()
