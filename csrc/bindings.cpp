@@ -1,0 +1,47 @@
+// freetoken._C: the Python surface. freetoken/ops.py is its only importer.
+#include <torch/extension.h>
+
+#include "ops.h"
+#include "ops_torch.h"
+
+namespace {
+
+std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k,
+                                      const c10::optional<at::Tensor>& allowed_offsets,
+                                      const c10::optional<at::Tensor>& allowed_ids,
+                                      const c10::optional<at::Tensor>& bias_offsets,
+                                      const c10::optional<at::Tensor>& bias_ids,
+                                      const c10::optional<at::Tensor>& bias_values) {
+  if (logits.is_cuda()) {
+#ifdef WITH_CUDA
+    return freetoken::topk_logprobs_cuda(logits, k, allowed_offsets, allowed_ids, bias_offsets,
+                                         bias_ids, bias_values);
+#else
+    TORCH_CHECK(false, "freetoken._C was built without CUDA; use the torch twin on GPU tensors");
+#endif
+  }
+  return freetoken::topk_logprobs_cpu(logits, k, allowed_offsets, allowed_ids, bias_offsets,
+                                      bias_ids, bias_values);
+}
+
+bool cuda_compiled() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel";
+  m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
+        py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
+        py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
+        py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none());
+  m.def("cuda_compiled", &cuda_compiled);
+  m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
+  m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");
+  m.attr("max_k") = freetoken::kMaxK;
+}

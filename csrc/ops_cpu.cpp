@@ -1,0 +1,331 @@
+// CPU topk_logprobs: argument checks, per-row planning (gather / dense bitmask / dense), the
+// parallel loop over (row, chunk) tasks, the merge, and the runtime ISA choice.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "ops_torch.h"
+
+namespace freetoken {
+namespace {
+
+IsaKernels pick_isa(const std::string& want) {
+  const bool x86 =
+#if defined(__x86_64__) && defined(__GNUC__)
+      true;
+#else
+      false;
+#endif
+  bool has512 = false, has2 = false;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("bmi2");
+#endif
+  has512 = has512 && x86 && isa_avx512::compiled();
+  has2 = (has2 || has512) && x86 && isa_avx2::compiled();
+  if (want == "avx512") {
+    TORCH_CHECK(has512, "freetoken: the avx512 kernel is not available on this CPU/build");
+    return isa_avx512::kernels();
+  }
+  if (want == "avx2") {
+    TORCH_CHECK(has2, "freetoken: the avx2 kernel is not available on this CPU/build");
+    return isa_avx2::kernels();
+  }
+  if (want == "base") return isa_base::kernels();
+  TORCH_CHECK(want.empty() || want == "auto", "freetoken: unknown ISA '", want,
+              "' (auto, avx512, avx2, base)");
+  if (has512) return isa_avx512::kernels();
+  if (has2) return isa_avx2::kernels();
+  return isa_base::kernels();
+}
+
+IsaKernels& current_isa() {
+  static IsaKernels k = [] {
+    const char* env = std::getenv("FREETOKEN_CPU_ISA");
+    return pick_isa(env ? env : "");
+  }();
+  return k;
+}
+
+// Per-thread scratch, all indexed by absolute token id and kept all-zero between tasks (each
+// task clears exactly what it set, so the cost is O(set + bias), never O(V)).
+struct Scratch {
+  std::vector<float> bias;        // [V]
+  std::vector<uint8_t> bias_blk;  // [V / kBlock + 1]
+  std::vector<uint64_t> bits;     // [V / 64 + 1]
+  std::vector<float> gvals;       // gathered values, padded to 16 with -inf
+  std::vector<int32_t> gids;
+
+  void ensure(int64_t V) {
+    if ((int64_t)bias.size() < V) {
+      bias.assign(V, 0.0f);
+      bias_blk.assign(V / kBlock + 1, 0);
+      bits.assign(V / 64 + 1, 0);
+      gvals.resize(V + 16);
+      gids.resize(V + 16);
+    }
+  }
+};
+thread_local Scratch tls;
+
+enum class Mode { kDense, kMasked, kGather };
+
+struct Task {
+  int64_t row, lo, hi;
+  Mode mode;
+};
+
+struct Compact {
+  const int32_t* offsets = nullptr;
+  const int32_t* ids = nullptr;
+  const float* values = nullptr;
+  int32_t begin(int64_t r) const { return offsets ? offsets[r] : 0; }
+  int32_t end(int64_t r) const { return offsets ? offsets[r + 1] : 0; }
+};
+
+inline float load_one(const void* row, int32_t dtype, int64_t i) {
+  if (dtype == kF32) return ((const float*)row)[i];
+  const uint16_t h = ((const uint16_t*)row)[i];
+  if (dtype == kBF16) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+void run_task(const IsaKernels& isa, const Task& t, const char* base, int64_t row_bytes,
+              int32_t dtype, int64_t V, int32_t k, const Compact& allowed, const Compact& bias,
+              Partial* P) {
+  Scratch& s = tls;
+  s.ensure(V);
+  const void* row = base + t.row * row_bytes;
+  const int32_t bb = bias.begin(t.row), be = bias.end(t.row);
+  const int32_t ab = allowed.begin(t.row), ae = allowed.end(t.row);
+
+  if (t.mode == Mode::kGather) {
+    for (int32_t j = bb; j < be; ++j) s.bias[bias.ids[j]] += bias.values[j];
+    int64_t n = 0;
+    for (int32_t j = ab; j < ae; ++j) {
+      const int32_t id = allowed.ids[j];
+      uint64_t& w = s.bits[id >> 6];
+      const uint64_t bit = uint64_t(1) << (id & 63);
+      if (w & bit) continue;  // a duplicate counts once
+      w |= bit;
+      s.gvals[n] = load_one(row, dtype, id) + s.bias[id];
+      s.gids[n] = id;
+      ++n;
+    }
+    for (int64_t j = n; j < ((n + 15) & ~int64_t(15)); ++j) {
+      s.gvals[j] = -std::numeric_limits<float>::infinity();
+      s.gids[j] = std::numeric_limits<int32_t>::max();
+    }
+    for (int32_t j = ab; j < ae; ++j) s.bits[allowed.ids[j] >> 6] = 0;
+    for (int32_t j = bb; j < be; ++j) s.bias[bias.ids[j]] = 0.0f;
+    isa.values(s.gvals.data(), s.gids.data(), n, k, P);
+    return;
+  }
+
+  bool any_bias = false;
+  for (int32_t j = bb; j < be; ++j) {
+    const int32_t id = bias.ids[j];
+    if (id < t.lo || id >= t.hi) continue;
+    s.bias[id] += bias.values[j];
+    s.bias_blk[id / kBlock] = 1;
+    any_bias = true;
+  }
+  if (t.mode == Mode::kMasked) {
+    for (int32_t j = ab; j < ae; ++j) {
+      const int32_t id = allowed.ids[j];
+      if (id >= t.lo && id < t.hi) s.bits[id >> 6] |= uint64_t(1) << (id & 63);
+    }
+  }
+  DenseArgs a;
+  a.row = row;
+  a.dtype = dtype;
+  a.lo = t.lo;
+  a.hi = t.hi;
+  a.k = k;
+  a.bias = any_bias ? s.bias.data() : nullptr;
+  a.bias_blk = any_bias ? s.bias_blk.data() : nullptr;
+  a.bits = t.mode == Mode::kMasked ? s.bits.data() : nullptr;
+  isa.dense(a, P);
+  if (t.mode == Mode::kMasked)
+    for (int32_t j = ab; j < ae; ++j) s.bits[allowed.ids[j] >> 6] = 0;
+  if (any_bias) {
+    for (int32_t j = bb; j < be; ++j) {
+      const int32_t id = bias.ids[j];
+      if (id < t.lo || id >= t.hi) continue;
+      s.bias[id] = 0.0f;
+      s.bias_blk[id / kBlock] = 0;
+    }
+  }
+}
+
+void check_compact(const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& ids,
+                   const c10::optional<at::Tensor>& values, int64_t B, const char* what,
+                   const at::Device& dev) {
+  TORCH_CHECK(offsets.has_value() == ids.has_value(), what, ": offsets and ids go together");
+  if (!offsets) return;
+  TORCH_CHECK(offsets->device() == dev && ids->device() == dev, what,
+              ": must be on the logits' device");
+  TORCH_CHECK(offsets->scalar_type() == at::kInt && ids->scalar_type() == at::kInt, what,
+              ": offsets and ids must be int32");
+  TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == B + 1, what, ": offsets must be [B+1]");
+  TORCH_CHECK(ids->dim() == 1 && offsets->is_contiguous() && ids->is_contiguous(), what,
+              ": ids must be a contiguous 1-D tensor");
+  if (values.has_value()) {
+    TORCH_CHECK(values->device() == dev && values->scalar_type() == at::kFloat &&
+                    values->dim() == 1 && values->size(0) == ids->size(0) &&
+                    values->is_contiguous(),
+                what, ": values must be contiguous fp32 [N] like ids");
+  }
+}
+
+}  // namespace
+
+std::string cpu_isa() { return current_isa().name; }
+void set_cpu_isa(const std::string& name) { current_isa() = pick_isa(name); }
+
+void check_topk_args(const at::Tensor& logits, int64_t k,
+                     const c10::optional<at::Tensor>& allowed_offsets,
+                     const c10::optional<at::Tensor>& allowed_ids,
+                     const c10::optional<at::Tensor>& bias_offsets,
+                     const c10::optional<at::Tensor>& bias_ids,
+                     const c10::optional<at::Tensor>& bias_values) {
+  TORCH_CHECK(logits.dim() == 2, "topk_logprobs: logits must be [B, V], got ", logits.sizes());
+  TORCH_CHECK(logits.is_contiguous(), "topk_logprobs: logits must be contiguous");
+  const auto st = logits.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "topk_logprobs: logits must be fp32, bf16 or fp16, got ", st);
+  TORCH_CHECK(k >= 0 && k <= kMaxK, "topk_logprobs: k must be in 0..", kMaxK, ", got ", k);
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t(1) << 31),
+              "topk_logprobs: V must be in 1..2^31-1");
+  const int64_t B = logits.size(0);
+  check_compact(allowed_offsets, allowed_ids, c10::nullopt, B, "topk_logprobs allowed",
+                logits.device());
+  TORCH_CHECK(bias_offsets.has_value() == bias_values.has_value(),
+              "topk_logprobs logit_bias: offsets, ids and values go together");
+  check_compact(bias_offsets, bias_ids, bias_values, B, "topk_logprobs logit_bias",
+                logits.device());
+}
+
+std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
+                                          const c10::optional<at::Tensor>& allowed_offsets,
+                                          const c10::optional<at::Tensor>& allowed_ids,
+                                          const c10::optional<at::Tensor>& bias_offsets,
+                                          const c10::optional<at::Tensor>& bias_ids,
+                                          const c10::optional<at::Tensor>& bias_values) {
+  check_topk_args(logits, k, allowed_offsets, allowed_ids, bias_offsets, bias_ids, bias_values);
+  TORCH_CHECK(logits.device().is_cpu(), "topk_logprobs_cpu: logits must be on the CPU");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  const int32_t dtype = logits.scalar_type() == at::kFloat      ? kF32
+                        : logits.scalar_type() == at::kBFloat16 ? kBF16
+                                                                : kF16;
+  Compact allowed, bias;
+  if (allowed_offsets) {
+    allowed.offsets = allowed_offsets->data_ptr<int32_t>();
+    allowed.ids = allowed_ids->data_ptr<int32_t>();
+  }
+  if (bias_offsets) {
+    bias.offsets = bias_offsets->data_ptr<int32_t>();
+    bias.ids = bias_ids->data_ptr<int32_t>();
+    bias.values = bias_values->data_ptr<float>();
+  }
+
+  // Plan: a short allowed list is gathered (one task); a dense row (no mask, or a set of
+  // >= V/16 ids, kept as a bitmask) is cut into chunks when there are too few rows for the
+  // threads. Chunk bounds are multiples of kBlock.
+  const int nthreads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (nthreads > 1 && B < 4 * nthreads) {
+    chunks = (4 * nthreads + B - 1) / B;
+    const int64_t max_chunks = std::max<int64_t>(1, V / (16 * kBlock));
+    chunks = std::min(chunks, max_chunks);
+  }
+  const int64_t blocks = (V + kBlock - 1) / kBlock;
+  const int64_t per_chunk = (blocks + chunks - 1) / chunks * kBlock;
+  std::vector<Task> tasks;
+  std::vector<int64_t> row_task(B + 1);
+  tasks.reserve(B * chunks);
+  int64_t work = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    row_task[r] = (int64_t)tasks.size();
+    const int64_t n = allowed.end(r) - allowed.begin(r);
+    if (n > 0 && n * 16 < V) {
+      tasks.push_back(Task{r, 0, V, Mode::kGather});
+      work += 4 * n;  // a gathered element costs about four dense ones
+      continue;
+    }
+    const Mode mode = n > 0 ? Mode::kMasked : Mode::kDense;
+    for (int64_t lo = 0; lo < V; lo += per_chunk)
+      tasks.push_back(Task{r, lo, std::min(V, lo + per_chunk), mode});
+    work += V;
+  }
+  row_task[B] = (int64_t)tasks.size();
+
+  std::vector<Partial> parts(tasks.size());
+  const IsaKernels isa = current_isa();
+  const char* base = (const char*)logits.data_ptr();
+  const int64_t row_bytes = V * logits.element_size();
+  const int64_t ntasks = (int64_t)tasks.size();
+  // Below ~32k elements of work, waking a second thread costs more than it saves.
+  const int64_t grain = work < 32768 ? std::max<int64_t>(ntasks, 1) : 1;
+  at::parallel_for(0, ntasks, grain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      run_task(isa, tasks[t], base, row_bytes, dtype, V, (int32_t)k, allowed, bias, &parts[t]);
+  });
+
+  auto ids = at::empty({B, k}, logits.options().dtype(at::kLong));
+  auto lps = at::empty({B, k}, logits.options().dtype(at::kFloat));
+  auto lse = at::empty({B}, logits.options().dtype(at::kFloat));
+  int64_t* ids_p = ids.data_ptr<int64_t>();
+  float* lps_p = lps.data_ptr<float>();
+  float* lse_p = lse.data_ptr<float>();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t t0 = row_task[r], t1 = row_task[r + 1];
+    Partial* P = &parts[t0];
+    float m = kNegInf;
+    int32_t flags = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      m = std::max(m, parts[t].m);
+      flags |= parts[t].flags;
+    }
+    TORCH_CHECK(!(flags & kFlagNaN), "topk_logprobs: row ", r, " has NaN logits");
+    TORCH_CHECK(!(flags & kFlagPosInf), "topk_logprobs: row ", r, " has a +inf logit");
+    TORCH_CHECK(m != kNegInf, "topk_logprobs: row ", r,
+                " has logit -inf for every token of its set");
+    double s = 0.0;
+    for (int64_t t = t0; t < t1; ++t)
+      if (parts[t].m != kNegInf) s += parts[t].s * std::exp((double)parts[t].m - (double)m);
+    for (int64_t t = t0 + 1; t < t1; ++t)
+      for (int32_t j = 0; j < parts[t].cnt; ++j)
+        topk_insert(P, (int32_t)k, parts[t].vals[j], parts[t].ids[j]);
+    const double l = (double)m + std::log(s);
+    lse_p[r] = (float)l;
+    for (int64_t j = 0; j < k; ++j) {
+      if (j < P->cnt) {
+        ids_p[r * k + j] = P->ids[j];
+        lps_p[r * k + j] = (float)((double)P->vals[j] - l);
+      } else {
+        ids_p[r * k + j] = -1;
+        lps_p[r * k + j] = kNegInf;
+      }
+    }
+  }
+  return {ids, lps, lse};
+}
+
+}  // namespace freetoken

@@ -1,0 +1,41 @@
+// Torch-facing declarations shared by bindings.cpp, ops_cpu.cpp and cuda/ops_cuda_glue.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+namespace freetoken {
+
+void check_topk_args(const at::Tensor& logits, int64_t k,
+                     const c10::optional<at::Tensor>& allowed_offsets,
+                     const c10::optional<at::Tensor>& allowed_ids,
+                     const c10::optional<at::Tensor>& bias_offsets,
+                     const c10::optional<at::Tensor>& bias_ids,
+                     const c10::optional<at::Tensor>& bias_values);
+
+// -> {ids int64 [B,k], logprobs fp32 [B,k], lse fp32 [B]}; errors (NaN, +inf, an all -inf set)
+// raise.
+std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
+                                          const c10::optional<at::Tensor>& allowed_offsets,
+                                          const c10::optional<at::Tensor>& allowed_ids,
+                                          const c10::optional<at::Tensor>& bias_offsets,
+                                          const c10::optional<at::Tensor>& bias_ids,
+                                          const c10::optional<at::Tensor>& bias_values);
+
+#ifdef WITH_CUDA
+// -> {ids, logprobs, lse, status int32 [B]}: asynchronous; status[r] != 0 (kFlag* bits, 4 = all
+// -inf) marks a row whose outputs are invalid; the caller raises.
+std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
+                                           const c10::optional<at::Tensor>& allowed_offsets,
+                                           const c10::optional<at::Tensor>& allowed_ids,
+                                           const c10::optional<at::Tensor>& bias_offsets,
+                                           const c10::optional<at::Tensor>& bias_ids,
+                                           const c10::optional<at::Tensor>& bias_values);
+#endif
+
+std::string cpu_isa();
+void set_cpu_isa(const std::string& name);
+
+}  // namespace freetoken

@@ -1,0 +1,382 @@
+"""The one seam between FreeToken and its compiled kernel, freetoken._C (the only importer).
+
+    topk_logprobs(logits, k, allowed=None, logit_bias=None) -> (ids, logprobs, lse)
+    sample_tokens(logits, allowed, logit_bias, temperature, top_k, top_p, min_p, seed, step)
+    backend() / backend_for(device) -> "ext-cpu" | "ext-cuda" | "torch"
+
+Per row r of logits [B, V] (fp32/bf16/fp16), with x(t) = logit(t) + bias(t) computed in fp32:
+  * the row's *set* is its allowed ids (duplicates count once), or the whole vocabulary when its
+    range of `allowed` is empty;
+  * lse[r] = log sum_{t in set} exp x(t); logprob(t) = x(t) - lse[r] for any t in the set;
+  * ids/logprobs [B, k] are the top k of the set by (x desc, id asc), padded with -1 / -inf.
+NaN or +inf among the set's logits, or a set whose logits are all -inf, raise RuntimeError
+("... row R has NaN logits"). Bad ids/offsets raise ValueError before any kernel runs.
+
+Compact per-row lists: allowed = (offsets int32 [B+1], ids int32 [N]); logit_bias = (offsets,
+ids, values fp32 [N]); row r owns entries offsets[r]:offsets[r+1]; duplicate bias ids add up.
+
+FREETOKEN_OPS=auto (default: the extension where it supports the device, else the torch twin)
+| ext (the extension or an error) | torch (always the twin). The twin below gives the same ids
+and logprobs within float rounding; tests/test_ops.py holds both to an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_K = 64
+
+_MODE = (os.environ.get("FREETOKEN_OPS", "auto").strip().lower() or "auto")
+if _MODE not in ("auto", "ext", "torch"):
+    raise ValueError(f"FREETOKEN_OPS must be auto, ext or torch, got {_MODE!r}")
+
+try:
+    from freetoken import _C  # noqa: N813
+    _IMPORT_ERROR: BaseException | None = None
+except ImportError as exc:  # a pure-Python install, or a broken build: the twin takes over
+    _C = None
+    _IMPORT_ERROR = exc
+
+if _MODE == "ext" and _C is None:
+    raise ImportError(f"FREETOKEN_OPS=ext but freetoken._C does not import: {_IMPORT_ERROR}")
+
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# backend choice
+
+
+def backend_for(device: torch.device | str) -> str:
+    """Which implementation serves tensors on `device`: "ext-cpu", "ext-cuda" or "torch"."""
+    dev = torch.device(device)
+    name = "torch"
+    if _MODE != "torch" and _C is not None:
+        if dev.type == "cpu":
+            name = "ext-cpu"
+        elif dev.type == "cuda" and _C.cuda_compiled():
+            name = "ext-cuda"
+        elif _MODE == "ext":
+            raise RuntimeError(f"FREETOKEN_OPS=ext but freetoken._C has no kernel for {dev}")
+    _log_choice(name, dev.type)
+    return name
+
+
+def backend() -> str:
+    """The backend for CPU tensors (what `python -c "import freetoken.ops as o; ..."` shows)."""
+    return backend_for("cpu")
+
+
+@functools.cache
+def _log_choice(name: str, device_type: str) -> None:
+    if name == "torch" and _C is None:
+        log.info("freetoken.ops: %s tensors use the torch twin (freetoken._C: %s)",
+                 device_type, _IMPORT_ERROR)
+    elif name == "ext-cpu":
+        log.info("freetoken.ops: cpu tensors use freetoken._C (%s kernel)", _C.cpu_isa())
+    else:
+        log.info("freetoken.ops: %s tensors use %s (FREETOKEN_OPS=%s)", device_type, name, _MODE)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (before any kernel)
+
+
+def _check_logits(fn: str, logits: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"{fn}: logits must be a [B, V] tensor")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{fn}: logits must be fp32, bf16 or fp16, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{fn}: the vocabulary is empty")
+
+
+def _check_compact(what: str, comp, B: int, V: int, device: torch.device, with_values: bool):
+    """Validates one compact per-row list; returns its tensors as int32/fp32 on `device`."""
+    if comp is None:
+        return None
+    n_parts = 3 if with_values else 2
+    if not isinstance(comp, (tuple, list)) or len(comp) != n_parts:
+        raise ValueError(f"{what} must be a tuple of {n_parts} tensors "
+                         f"(offsets, ids{', values' if with_values else ''})")
+    offsets = torch.as_tensor(comp[0], device=device)
+    ids = torch.as_tensor(comp[1], device=device)
+    if offsets.dtype.is_floating_point or ids.dtype.is_floating_point:
+        raise ValueError(f"{what}: offsets and ids must be integer tensors")
+    offsets = offsets.to(torch.int32).contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    if offsets.dim() != 1 or offsets.shape[0] != B + 1:
+        raise ValueError(f"{what}: offsets must have B+1 = {B + 1} entries, "
+                         f"got shape {tuple(offsets.shape)}")
+    if ids.dim() != 1:
+        raise ValueError(f"{what}: ids must be 1-D, got shape {tuple(ids.shape)}")
+    n = ids.shape[0]
+    off = offsets.tolist()
+    if off[0] != 0 or off[-1] != n:
+        raise ValueError(f"{what}: offsets must run from 0 to len(ids) = {n}, "
+                         f"got {off[0]}..{off[-1]}")
+    for r in range(B):
+        if off[r + 1] < off[r]:
+            raise ValueError(f"{what}: offsets must not decrease (row {r}: "
+                             f"{off[r]} > {off[r + 1]})")
+    if n:
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= V:
+            bad = int(((ids < 0) | (ids >= V)).nonzero()[0, 0])
+            row = next(r for r in range(B) if off[r] <= bad < off[r + 1])
+            raise ValueError(f"{what}: ids[{bad}] = {int(ids[bad])} (row {row}) is outside the "
+                             f"vocabulary (0..{V - 1})")
+    if not with_values:
+        return offsets, ids
+    values = torch.as_tensor(comp[2], device=device)
+    if not values.dtype.is_floating_point:
+        values = values.to(torch.float32)
+    values = values.to(torch.float32).contiguous()
+    if values.shape != ids.shape:
+        raise ValueError(f"{what}: values must match ids, got {tuple(values.shape)} "
+                         f"for {tuple(ids.shape)}")
+    if n and not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).nonzero()[0, 0])
+        raise ValueError(f"{what}: values[{bad}] = {float(values[bad])} is not finite")
+    return offsets, ids, values
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_logprobs
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, allowed=None, logit_bias=None):
+    """-> ids int64 [B, k], logprobs fp32 [B, k], lse fp32 [B]; see the module docstring."""
+    _check_logits("topk_logprobs", logits)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+        raise ValueError(f"topk_logprobs: k must be an int in 0..{MAX_K}, got {k!r}")
+    B, V = logits.shape
+    allowed = _check_compact("allowed", allowed, B, V, logits.device, False)
+    logit_bias = _check_compact("logit_bias", logit_bias, B, V, logits.device, True)
+    name = backend_for(logits.device)
+    if name == "torch":
+        return _topk_logprobs_torch(logits, k, allowed, logit_bias)
+    a = allowed or (None, None)
+    b = logit_bias or (None, None, None)
+    out = _C.topk_logprobs(logits.contiguous(), k, *a, *b)
+    if name == "ext-cuda":
+        ids, lps, lse, status = out
+        if bool(status.any()):
+            r = int(status.nonzero()[0, 0])
+            _raise_row("topk_logprobs", r, int(status[r]))
+        return ids, lps, lse
+    return tuple(out)
+
+
+_FLAG_NAN, _FLAG_POSINF, _FLAG_ALLNEG = 1, 2, 4
+
+
+def _raise_row(fn: str, r: int, flags: int):
+    if flags & _FLAG_NAN:
+        raise RuntimeError(f"{fn}: row {r} has NaN logits")
+    if flags & _FLAG_POSINF:
+        raise RuntimeError(f"{fn}: row {r} has a +inf logit")
+    raise RuntimeError(f"{fn}: row {r} has logit -inf for every token of its set")
+
+
+def _rows_of(offsets: torch.Tensor, B: int) -> torch.Tensor:
+    counts = (offsets[1:] - offsets[:-1]).long()
+    return torch.repeat_interleave(torch.arange(B, device=offsets.device), counts)
+
+
+def _masked_biased(fn: str, logits: torch.Tensor, allowed, logit_bias):
+    """-> (xm fp32 [B, V]: logit + bias, -inf outside the set; member bool [B, V] or None).
+
+    Raises on NaN / +inf in the set or an all -inf set, in the kernel's order and words."""
+    B, V = logits.shape
+    x = logits.float()
+    if logit_bias is not None and logit_bias[1].numel():
+        bo, bi, bv = logit_bias
+        dense = torch.zeros(B, V, dtype=torch.float32, device=logits.device)
+        dense.index_put_((_rows_of(bo, B), bi.long()), bv, accumulate=True)
+        x = x + dense  # the kernel adds the summed bias too: logit + (b1 + b2)
+    member = None
+    if allowed is not None and allowed[1].numel():
+        ao, ai = allowed
+        member = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+        member[_rows_of(ao, B), ai.long()] = True
+        member |= (ao[1:] == ao[:-1])[:, None]  # an empty range: no mask on that row
+        x = x.masked_fill(~member, _NEG_INF)
+    flags = (torch.isnan(x).any(-1).int() * _FLAG_NAN
+             | (x == float("inf")).any(-1).int() * _FLAG_POSINF
+             | (x.amax(-1) == _NEG_INF).int() * _FLAG_ALLNEG)
+    if bool(flags.any()):
+        r = int(flags.nonzero()[0, 0])
+        _raise_row(fn, r, int(flags[r]))
+    return x, member
+
+
+def _topk_logprobs_torch(logits, k, allowed, logit_bias):
+    """The pure-torch twin: mask fill, fp32 logsumexp, top-k with ties to the lower id."""
+    B, V = logits.shape
+    dev = logits.device
+    xm, member = _masked_biased("topk_logprobs", logits, allowed, logit_bias)
+    lse = torch.logsumexp(xm, dim=-1)
+    ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+    lps = torch.full((B, k), _NEG_INF, dtype=torch.float32, device=dev)
+    if k == 0 or B == 0:
+        return ids, lps, lse
+    kk = min(k, V)
+    count = member.sum(-1) if member is not None else torch.full((B,), V, device=dev)
+    keff = count.clamp(max=kk)                                            # [B], >= 1
+    vals = torch.topk(xm, kk, dim=-1).values                              # [B, kk]
+    thr = vals.gather(1, (keff - 1)[:, None])                             # [B, 1]
+    gt = xm > thr
+    eq = xm == thr
+    if member is not None:
+        eq &= member
+    need = keff - gt.sum(-1)                                              # [B]
+    sel = gt | (eq & (eq.cumsum(-1) <= need[:, None]))                    # keff per row
+    r, c = sel.nonzero(as_tuple=True)                                     # row-major: ids asc
+    start = torch.cumsum(keff, 0) - keff
+    slot = torch.arange(r.shape[0], device=dev) - start[r]
+    out_ids = torch.full((B, kk), -1, dtype=torch.int64, device=dev)
+    out_v = torch.full((B, kk), _NEG_INF, dtype=torch.float32, device=dev)
+    out_ids[r, slot] = c
+    out_v[r, slot] = xm[r, c]
+    # value desc; equal values keep their id-ascending slots, pads stay behind real -inf values
+    order = torch.sort(out_v, dim=-1, descending=True, stable=True).indices
+    out_v = out_v.gather(1, order)
+    out_ids = out_ids.gather(1, order)
+    out_lp = torch.where(out_ids >= 0, out_v - lse[:, None], _NEG_INF)
+    ids[:, :kk] = out_ids
+    lps[:, :kk] = out_lp
+    return ids, lps, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# sample_tokens: one torch implementation for every backend
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+_M1, _M2, _G = _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB), _i64(_GOLDEN)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser over int64 tensors (multiplication wraps modulo 2^64)."""
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    return x ^ _srl(x, 31)
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Counter-based Gumbel(0, 1) noise, fp64, for (seed, step, token id) triples (broadcast).
+
+    u = (top 24 bits of mix(mix(mix(seed ^ G) + step) + id * G) + 0.5) / 2^24, g = -log(-log u):
+    integer hashing, then two fp64 logs, so every device draws the same noise."""
+    s = _splitmix(_splitmix(seed.long() ^ _G) + step.long())
+    h = _splitmix(s + token_ids.long() * _G)
+    u = (_srl(h, 40).double() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+# Noise is within [-log(-log(2^-25)), -log(-log(1 - 2^-25))] = [-2.86, 17.33]: a token whose
+# scaled logit is more than 20.2 below the row's best can never win the race, so it gets none.
+_PRUNE = 21.0
+
+
+def sample_tokens(logits: torch.Tensor, allowed, logit_bias, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One token id per row (int64 [B]) from the masked, biased distribution / temperature.
+
+    temperature [B] fp32 (0 = greedy: the top id of topk_logprobs, ties to the lower id);
+    top_k [B] int32 (-1 or 0 = off; keeps tokens >= the k-th largest value); top_p [B] fp32
+    (1 = off; the smallest most-likely prefix, after top_k, whose mass reaches top_p); min_p [B]
+    fp32 (0 = off; keeps p >= min_p * p_max); seed, step [B] int64. Gumbel-max over
+    gumbel_noise(seed, step, id): the same (seed, step) gives the same token on every backend.
+    """
+    _check_logits("sample_tokens", logits)
+    B, V = logits.shape
+    dev = logits.device
+    allowed = _check_compact("allowed", allowed, B, V, dev, False)
+    logit_bias = _check_compact("logit_bias", logit_bias, B, V, dev, True)
+
+    def per_row(name, t, dtype):
+        t = torch.as_tensor(t, device=dev).to(dtype)
+        if t.shape != (B,):
+            raise ValueError(f"sample_tokens: {name} must have shape [{B}], got {tuple(t.shape)}")
+        return t
+
+    temperature = per_row("temperature", temperature, torch.float32)
+    top_k = per_row("top_k", top_k, torch.int64)
+    top_p = per_row("top_p", top_p, torch.float32)
+    min_p = per_row("min_p", min_p, torch.float32)
+    seed = per_row("seed", seed, torch.int64)
+    step = per_row("step", step, torch.int64)
+    if B and not bool(((temperature >= 0) & (top_p > 0) & (top_p <= 1)
+                       & (min_p >= 0) & (min_p <= 1)).all()):
+        raise ValueError("sample_tokens: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+    if B == 0:
+        return torch.empty(0, dtype=torch.int64, device=dev)
+
+    xm, member = _masked_biased("sample_tokens", logits, allowed, logit_bias)
+    out = torch.argmax(xm, dim=-1)  # greedy: the first (lowest) id of the maximum
+    rows = (temperature > 0).nonzero(as_tuple=True)[0]
+    if rows.numel() == 0:
+        return out
+    x = xm[rows]                                                        # [S, V] fp32
+    t64 = temperature[rows].double()
+    keep = x > _NEG_INF
+    tk = top_k[rows]
+    tk_on = (tk > 0) & (tk < V)
+    if bool(tk_on.any()):
+        kmax = int(tk[tk_on].max())
+        kth = torch.topk(x, kmax, dim=-1).values.gather(1, (tk.clamp(1, kmax) - 1)[:, None])
+        keep &= (x >= kth) | ~tk_on[:, None]
+    z = x.double() / t64[:, None]                                       # [S, V] fp64
+    zmax = z.amax(-1)                                                   # always kept
+    cand = keep & (z >= (zmax - _PRUNE)[:, None])
+    r, c = cand.nonzero(as_tuple=True)                                  # r asc, then c asc
+    zc = z[r, c]
+    ok = torch.ones_like(zc, dtype=torch.bool)
+    mp = min_p[rows].double()
+    ok &= (zc - zmax[r]) >= torch.log(mp)[r]                            # log 0 = -inf: off
+    tp = top_p[rows].double()
+    if bool((tp < 1).any()):
+        lse_keep = torch.logsumexp(z.masked_fill(~keep, _NEG_INF), dim=-1)   # over top_k's set
+        order = torch.sort(zc, descending=True, stable=True).indices
+        order = order[torch.sort(r[order], stable=True).indices]        # by row, z desc, id asc
+        rs, ps = r[order], torch.exp(zc[order] - lse_keep[r[order]])
+        cum = torch.cumsum(ps, 0)
+        first = torch.searchsorted(rs, torch.arange(rows.numel(), device=dev))
+        before = torch.cat([torch.zeros(1, dtype=cum.dtype, device=dev), cum])[first]
+        mass_before = cum - ps - before[rs]                             # mass ranked above
+        in_nucleus = torch.empty_like(ok)
+        in_nucleus[order] = mass_before < tp[rs]
+        ok &= in_nucleus | (tp[r] >= 1)
+    key = torch.where(ok, zc + gumbel_noise(seed[rows][r], step[rows][r], c), _NEG_INF)
+    best = torch.full((rows.numel(),), _NEG_INF, dtype=key.dtype, device=dev)
+    best = best.scatter_reduce(0, r, key, reduce="amax")
+    win = torch.where(key == best[r], c, V)
+    pick = torch.full((rows.numel(),), V, dtype=torch.int64, device=dev)
+    pick = pick.scatter_reduce(0, r, win, reduce="amin")
+    out[rows] = pick
+    return out
+
+
+__all__ = ["MAX_K", "backend", "backend_for", "gumbel_noise", "sample_tokens", "topk_logprobs"]

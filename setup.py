@@ -1,0 +1,88 @@
+"""Builds freetoken._C, the fused mask / logit-bias / log-softmax / top-k kernel.
+
+The CPU implementation is always built. The CUDA implementation (csrc/cuda/*.cu plus the torch
+glue csrc/cuda_glue.cpp) is added, with -DWITH_CUDA, only when torch itself has CUDA
+(torch.version.cuda) and a toolkit is found (CUDA_HOME or nvcc on PATH); building it needs a
+toolchain, not a GPU.
+
+Environment:
+  FREETOKEN_NO_EXT=1   pure-Python install (freetoken.ops then uses its torch twin)
+  FREETOKEN_NO_CUDA=1  never build the CUDA part
+  DEBUG=1              -O0 -g
+
+Documented commands (torch 2.13.0 must already be installed; isolation would fetch another):
+  pip install --no-build-isolation -e .
+  pip wheel --no-build-isolation --no-deps -w dist .
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def _cuda_available() -> bool:
+    if _flag("FREETOKEN_NO_CUDA"):
+        return False
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        return False
+    return cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+
+
+def get_extensions():
+    if _flag("FREETOKEN_NO_EXT"):
+        return []
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    debug = _flag("DEBUG")
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    cxx += ["-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
+    # NOTE: no -march: the wheel must run on any x86-64. The wide kernels are compiled per ISA
+    # with `#pragma GCC target` in csrc/cpu_kernel_*.cpp and picked at load time (cpuid).
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    macros = []
+    extra = {"cxx": cxx}
+    ext_cls = CppExtension
+    if _cuda_available():
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        macros.append(("WITH_CUDA", None))
+        extra["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3"]) + [
+            "-std=c++17",
+            "-gencode=arch=compute_80,code=sm_80",
+            "-gencode=arch=compute_90,code=sm_90",
+        ]
+        ext_cls = CUDAExtension
+    else:
+        sources = [s for s in sources if not s.endswith("cuda_glue.cpp")]
+    return [
+        ext_cls(
+            "freetoken._C",
+            sources,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            define_macros=macros,
+            extra_compile_args=extra,
+        )
+    ]
+
+
+def _cmdclass():
+    if _flag("FREETOKEN_NO_EXT"):
+        return {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(ext_modules=get_extensions(), cmdclass=_cmdclass())

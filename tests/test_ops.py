@@ -1,0 +1,501 @@
+"""freetoken.ops: the extension (every CPU ISA it has, and CUDA where present) and the torch twin,
+each against an fp64 reference: ids exactly (ties to the lower id), logprobs within 1e-5 for the
+extension and 5e-5 for the twin (torch's fp32 logsumexp is ~3e-5 off fp64 at V = 152k).
+
+The reference takes x = logit + bias in fp32, as the contract says, and does the rest in fp64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import freetoken.ops as ops
+
+NEG_INF = float("-inf")
+HAS_EXT = ops._C is not None
+HAS_CUDA = HAS_EXT and torch.cuda.is_available() and ops._C.cuda_compiled()
+
+
+def _isas() -> list[str]:
+    if not HAS_EXT:
+        return []
+    out = []
+    for name in ("avx512", "avx2", "base"):
+        try:
+            ops._C.set_cpu_isa(name)
+            out.append(name)
+        except RuntimeError:
+            pass
+    ops._C.set_cpu_isa("auto")
+    return out
+
+
+ISAS = _isas()
+BACKENDS = [f"ext-{i}" for i in ISAS] + ["torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def impl(request):
+    """A callable with topk_logprobs' signature, plus its logprob tolerance."""
+    name = request.param
+    if name == "torch":
+        def run(logits, k, allowed=None, logit_bias=None):
+            B, V = logits.shape
+            a = ops._check_compact("allowed", allowed, B, V, logits.device, False)
+            b = ops._check_compact("logit_bias", logit_bias, B, V, logits.device, True)
+            return ops._topk_logprobs_torch(logits, k, a, b)
+        yield run, 5e-5
+        return
+    ops._C.set_cpu_isa(name.removeprefix("ext-"))
+    yield ops.topk_logprobs, 1e-5
+    ops._C.set_cpu_isa("auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def compact(lists):
+    offsets = [0]
+    flat = []
+    for ids in lists:
+        flat.extend(ids)
+        offsets.append(len(flat))
+    return (torch.tensor(offsets, dtype=torch.int32), torch.tensor(flat, dtype=torch.int32))
+
+
+def compact_bias(dicts):
+    offsets, ids, vals = [0], [], []
+    for d in dicts:
+        for t, v in d:
+            ids.append(t)
+            vals.append(v)
+        offsets.append(len(ids))
+    return (torch.tensor(offsets, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32),
+            torch.tensor(vals, dtype=torch.float32))
+
+
+def reference(logits, k, allowed_lists=None, bias_lists=None):
+    """fp64 reference: (ids [B,k] int64, logprobs [B,k] fp64, lse [B] fp64)."""
+    B, V = logits.shape
+    x = logits.float().clone()
+    if bias_lists is not None:
+        dense = torch.zeros(B, V)
+        for r, entries in enumerate(bias_lists):
+            for t, v in entries:
+                dense[r, t] += torch.tensor(v, dtype=torch.float32)
+        x = x + dense
+    x = x.double()
+    ids = torch.full((B, k), -1, dtype=torch.int64)
+    lps = torch.full((B, k), NEG_INF, dtype=torch.float64)
+    lse = torch.empty(B, dtype=torch.float64)
+    for r in range(B):
+        if allowed_lists is not None and allowed_lists[r]:
+            members = torch.tensor(sorted(set(allowed_lists[r])), dtype=torch.int64)
+        else:
+            members = torch.arange(V)
+        xr = x[r, members]
+        lse[r] = torch.logsumexp(xr, 0)
+        order = torch.sort(xr, descending=True, stable=True).indices[:k]  # members are id-sorted
+        n = order.numel()
+        ids[r, :n] = members[order]
+        lps[r, :n] = xr[order] - lse[r]
+    return ids, lps, lse
+
+
+def assert_matches(out, ref, tol):
+    ids, lps, lse = out
+    rids, rlps, rlse = ref
+    assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.equal(ids, rids), (ids, rids)
+    fin = torch.isfinite(rlps)
+    assert torch.equal(torch.isfinite(lps), fin)
+    assert torch.all(lps[~fin] == NEG_INF)
+    if fin.any():
+        err = (lps.double()[fin] - rlps[fin]).abs().max().item()
+        assert err <= tol, err
+    err = (lse.double() - rlse).abs().max().item()
+    assert err <= tol, err
+
+
+def randn(B, V, dtype=torch.float32, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, V, generator=g) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_logprobs
+
+
+@pytest.mark.parametrize("B,V", [(1, 111), (3, 111), (1, 49152), (5, 49152), (2, 151936)])
+@pytest.mark.parametrize("k", [0, 1, 5, 64])
+def test_dense_fp32(impl, B, V, k):
+    run, tol = impl
+    x = randn(B, V, seed=B * V + k)
+    assert_matches(run(x, k), reference(x, k), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V", [111, 49152])
+def test_dense_half_types_have_ties(impl, dtype, V):
+    run, tol = impl
+    x = randn(3, V, dtype, scale=2.0, seed=7)
+    assert_matches(run(x, 20), reference(x, 20), tol)
+
+
+def test_large_logits_are_accurate(impl):
+    run, tol = impl
+    x = randn(2, 49152, seed=3) + 100.0
+    assert_matches(run(x, 5), reference(x, 5), tol)
+
+
+def test_ties_go_to_the_lower_id(impl):
+    run, tol = impl
+    x = torch.zeros(2, 3000)
+    x[1, 2000:] = 1.0
+    ids, lps, lse = run(x, 8)
+    assert ids[0].tolist() == list(range(8))
+    assert ids[1].tolist() == list(range(2000, 2008))
+    assert_matches((ids, lps, lse), reference(x, 8), tol)
+
+
+@pytest.mark.parametrize("V", [111, 49152, 151936])
+def test_masked_sets(impl, V):
+    run, tol = impl
+    g = torch.Generator().manual_seed(V)
+    sizes = [1, 2, 100, V // 16 - 1, V // 16, min(5000, V), V]
+    lists = [torch.randperm(V, generator=g)[:n].tolist() for n in sizes]
+    lists[2] = lists[2] + lists[2][:30]  # duplicates count once
+    lists.append([])                     # an empty range: no mask on that row
+    x = randn(len(lists), V, seed=V + 1)
+    for k in (1, 20, 64):
+        assert_matches(run(x, k, compact(lists)), reference(x, k, lists), tol)
+
+
+def test_k_larger_than_the_set_pads(impl):
+    run, tol = impl
+    x = randn(3, 500, seed=5)
+    lists = [[7], [3, 3, 9, 1], list(range(500))]
+    ids, lps, lse = run(x, 6, compact(lists))
+    assert ids[0].tolist() == [7, -1, -1, -1, -1, -1]
+    assert abs(float(lps[0, 0])) <= 1e-6
+    assert sorted(ids[1, :3].tolist()) == [1, 3, 9] and ids[1, 3:].tolist() == [-1, -1, -1]
+    assert_matches((ids, lps, lse), reference(x, 6, lists), tol)
+    p = torch.exp(lps[1, :3].double()).sum().item()
+    assert abs(p - 1.0) < 1e-5  # renormalised over the allowed set
+
+
+def test_k_larger_than_vocab(impl):
+    run, tol = impl
+    x = randn(2, 10, seed=9)
+    ids, lps, lse = run(x, 16)
+    assert (ids[:, 10:] == -1).all() and (lps[:, 10:] == NEG_INF).all()
+    assert_matches((ids, lps, lse), reference(x, 16), tol)
+
+
+@pytest.mark.parametrize("V", [111, 49152])
+def test_logit_bias(impl, V):
+    run, tol = impl
+    x = randn(4, V, seed=11)
+    bias = [[(5, 100.0), (6, -100.0)], [], [(V - 1, 3.5), (V - 1, 1.5), (0, -2.0)],
+            [(t, 0.25) for t in range(0, V, 7)]]
+    lists = [[], [], [V - 1, 0, 17], list(range(0, V, 3))]
+    for k in (1, 5):
+        assert_matches(run(x, k, None, compact_bias(bias)), reference(x, k, None, bias), tol)
+        assert_matches(run(x, k, compact(lists), compact_bias(bias)),
+                       reference(x, k, lists, bias), tol)
+    ids, _, _ = run(x, 1, None, compact_bias(bias))
+    assert int(ids[0, 0]) == 5
+
+
+def test_minus_inf_logits(impl):
+    run, tol = impl
+    x = randn(3, 2000, seed=13)
+    x[0, ::2] = NEG_INF
+    x[1, :1500] = NEG_INF
+    x[2, 10] = NEG_INF
+    lists = [[], [], [10, 11, 12]]
+    assert_matches(run(x, 64, compact(lists)), reference(x, 64, lists), tol)
+    ids, lps, _ = run(x, 5, compact(lists))
+    assert ids[2, 2].item() == 10 and lps[2, 2].item() == NEG_INF  # a member, ranked last
+    assert ids[2, 3].item() == -1
+
+
+@pytest.mark.parametrize("V", [200, 49152])
+def test_nan_and_plus_inf_are_errors(impl, V):
+    run, _ = impl
+    x = randn(3, V, seed=17)
+    x[1, V // 2] = float("nan")
+    with pytest.raises(RuntimeError, match="row 1 has NaN"):
+        run(x, 5)
+    # NaN outside the row's allowed set is never read
+    out = run(x, 5, compact([[], [1, 2], []]))
+    assert out[0][1].tolist()[:2] == sorted([1, 2], key=lambda t: -float(x[1, t]))
+    x[1, V // 2] = 0.0
+    x[2, 3] = float("inf")
+    with pytest.raises(RuntimeError, match="row 2 has a \\+inf"):
+        run(x, 5)
+    x[2, 3] = 0.0
+    x[0, 7] = NEG_INF
+    with pytest.raises(RuntimeError, match="row 0 has logit -inf for every token"):
+        run(x, 5, compact([[7], [], []]))
+
+
+def test_two_threads_match_one(impl):
+    run, tol = impl
+    x = randn(3, 151936, seed=19)
+    lists = [[], list(range(0, 151936, 5)), []]
+    bias = [[(100000, 9.0)], [], [(5, -1.0), (140000, 20.0)]]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(x, 20, compact(lists), compact_bias(bias))
+        torch.set_num_threads(2)
+        two = run(x, 20, compact(lists), compact_bias(bias))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one[0], two[0])
+    assert_matches(two, reference(x, 20, lists, bias), tol)
+
+
+def test_noncontiguous_and_batch_of_zero():
+    x = randn(4, 300, seed=21)[:, ::2]
+    ids, lps, lse = ops.topk_logprobs(x, 3)
+    assert_matches((ids, lps, lse), reference(x.contiguous(), 3), 1e-5)
+    ids, lps, lse = ops.topk_logprobs(torch.zeros(0, 50), 4)
+    assert ids.shape == (0, 4) and lse.shape == (0,)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k=65), "k must be"),
+    (dict(k=-1), "k must be"),
+    (dict(allowed=compact([[1], [300]])), r"ids\[1\] = 300 \(row 1\) is outside"),
+    (dict(allowed=compact([[1], [-2]])), "outside the vocabulary"),
+    (dict(allowed=(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))),
+     "B\\+1 = 3"),
+    (dict(allowed=(torch.tensor([0, 2, 1], dtype=torch.int32),
+                   torch.tensor([1], dtype=torch.int32))), "must not decrease"),
+    (dict(allowed=(torch.tensor([0, 1, 3], dtype=torch.int32),
+                   torch.tensor([1], dtype=torch.int32))), "from 0 to len"),
+    (dict(logit_bias=compact_bias([[(1, float("nan"))], []])), "not finite"),
+    (dict(logit_bias=compact_bias([[(1, 1.0)], [(999, 1.0)]])), "outside the vocabulary"),
+])
+def test_validation_errors(bad, match):
+    x = randn(2, 300)
+    kw = dict(k=3)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        ops.topk_logprobs(x, **kw)
+
+
+def test_validation_dtype():
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        ops.topk_logprobs(torch.zeros(2, 5, dtype=torch.float64), 1)
+
+
+VALUES = st.sampled_from([NEG_INF, -3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 7.25])
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.integers(1, 5))
+    V = draw(st.integers(1, 300))
+    k = draw(st.integers(0, 12))
+    rows = [draw(st.lists(VALUES, min_size=V, max_size=V)) for _ in range(B)]
+    for row in rows:  # every row needs one finite logit (an all -inf set is an error)
+        row[draw(st.integers(0, V - 1))] = draw(st.floats(-4, 4, width=32))
+    x = torch.tensor(rows, dtype=torch.float32)
+    lists, biases = [], []
+    for r in range(B):
+        kind = draw(st.sampled_from(["none", "small", "big"]))
+        ids = []
+        if kind != "none":
+            n = draw(st.integers(1, 4)) if kind == "small" else draw(st.integers(1, V * 2))
+            ids = [draw(st.integers(0, V - 1)) for _ in range(n)]
+            finite = [t for t in ids if x[r, t] != NEG_INF]
+            if not finite:
+                x[r, ids[0]] = 1.0
+        lists.append(ids)
+        nb = draw(st.integers(0, 3))
+        biases.append([(draw(st.integers(0, V - 1)), draw(st.sampled_from([-2.0, 0.5, 3.0])))
+                       for _ in range(nb)])
+    return x, k, lists, biases
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_property_against_reference(p):
+    x, k, lists, biases = p
+    ref = reference(x, k, lists, biases)
+    a, b = compact(lists), compact_bias(biases)
+    B, V = x.shape
+    ca = ops._check_compact("allowed", a, B, V, x.device, False)
+    cb = ops._check_compact("logit_bias", b, B, V, x.device, True)
+    assert_matches(ops._topk_logprobs_torch(x, k, ca, cb), ref, 5e-5)
+    for isa in ISAS:
+        ops._C.set_cpu_isa(isa)
+        try:
+            assert_matches(ops.topk_logprobs(x, k, a, b), ref, 1e-5)
+        finally:
+            ops._C.set_cpu_isa("auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# backend choice
+
+
+def test_backend_names():
+    assert ops.backend() == ("ext-cpu" if HAS_EXT else "torch")
+    assert ops.backend_for("cpu") == ops.backend()
+
+
+@pytest.mark.parametrize("mode,expect", [("torch", "torch"), ("ext", "ext-cpu")])
+def test_forced_backend(mode, expect):
+    if mode == "ext" and not HAS_EXT:
+        pytest.skip("extension not built")
+    env = dict(os.environ, FREETOKEN_OPS=mode)
+    out = subprocess.run([sys.executable, "-c",
+                          "import freetoken.ops as o; print(o.backend())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expect
+
+
+# ---------------------------------------------------------------------------------------------
+# sample_tokens
+
+
+def sample(x, T=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, step=None, allowed=None,
+           bias=None):
+    B = x.shape[0]
+    full = lambda v, dt: torch.full((B,), v, dtype=dt)  # noqa: E731
+    step = torch.arange(B, dtype=torch.int64) if step is None else step
+    return ops.sample_tokens(x, allowed, bias, full(T, torch.float32), full(top_k, torch.int32),
+                             full(top_p, torch.float32), full(min_p, torch.float32),
+                             full(seed, torch.int64), step)
+
+
+def test_greedy_is_the_top_id():
+    x = randn(6, 3000, seed=23)
+    x[5, :] = 0.0  # all tied: the lowest id
+    lists = [[], [4, 9, 2000], [], [77], [], []]
+    bias = [[(1234, 50.0)], [], [], [], [], []]
+    ids, _, _ = ops.topk_logprobs(x, 1, compact(lists), compact_bias(bias))
+    got = sample(x, T=0.0, allowed=compact(lists), bias=compact_bias(bias))
+    assert got.tolist() == ids[:, 0].tolist()
+    assert got[0].item() == 1234 and got[5].item() == 0
+
+
+def test_seed_reproducible_and_step_varies():
+    x = randn(1, 5000, scale=1.0, seed=29).expand(64, -1).contiguous()
+    a = sample(x, seed=123)
+    b = sample(x, seed=123)
+    c = sample(x, seed=124)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert len(set(a.tolist())) > 20
+
+
+def test_distribution_matches_probabilities():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, NEG_INF, 1.5])
+    n = 20000
+    x = logits.expand(n, -1).contiguous()
+    for T in (1.0, 0.7):
+        got = sample(x, T=T, seed=7)
+        p = torch.softmax(logits.double() / T, 0)
+        freq = torch.bincount(got, minlength=8).double() / n
+        sd = torch.sqrt(p * (1 - p) / n)
+        assert torch.all((freq - p).abs() <= 5 * sd + 1e-12), (freq, p)
+        assert freq[6] == 0
+
+
+def test_filters_restrict_the_support():
+    logits = torch.tensor([3.0, 2.9, 1.0, 0.9, 0.8, -2.0])
+    x = logits.expand(4000, -1).contiguous()
+    assert set(sample(x, top_k=2).tolist()) == {0, 1}
+    p = torch.softmax(logits.double(), 0)  # [0.47, 0.43, 0.064, ...]
+    assert set(sample(x, top_p=0.5).tolist()) == {0, 1}
+    assert set(sample(x, top_p=float(p[0]) * 0.99).tolist()) == {0}
+    assert set(sample(x, min_p=0.13).tolist()) == {0, 1, 2}  # p/p_max: e^-2 = 0.135, e^-2.1
+    got = sample(x, top_k=3, top_p=0.95)  # top_p over the top-3-renormalised mass
+    assert set(got.tolist()) == {0, 1, 2}
+    lists = [[2, 3, 5]] * 4000
+    got = sample(x, allowed=compact(lists))
+    assert set(got.tolist()) == {2, 3, 5}
+
+
+def test_sampling_errors():
+    x = randn(2, 10)
+    x[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="row 1 has NaN"):
+        sample(x)
+    with pytest.raises(ValueError, match="top_p"):
+        sample(randn(2, 10), top_p=0.0)
+
+
+def _splitmix_py(x):
+    m = (1 << 64) - 1
+    x &= m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_gumbel_noise_is_the_documented_hash():
+    g = 0x9E3779B97F4A7C15
+    seeds = [0, 1, 2**62 + 12345, -5]
+    steps = [0, 7, 2**40, 3]
+    ids = [0, 151935, 42, 99]
+    got = ops.gumbel_noise(torch.tensor(seeds), torch.tensor(steps), torch.tensor(ids))
+    for i, (s, t, tok) in enumerate(zip(seeds, steps, ids)):
+        s0 = _splitmix_py(_splitmix_py(s ^ g) + t)
+        h = _splitmix_py(s0 + tok * g)
+        u = ((h >> 40) + 0.5) / 2**24
+        assert got[i].item() == pytest.approx(-math.log(-math.log(u)), rel=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU and a CUDA build)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU and freetoken._C built with CUDA")
+@pytest.mark.parametrize("V", [111, 49152, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference(V, dtype):
+    g = torch.Generator().manual_seed(V)
+    B = 7
+    x = randn(B, V, dtype, seed=31)
+    lists = [[], [5], torch.randperm(V, generator=g)[:100].tolist() * 2,
+             torch.randperm(V, generator=g)[: V // 8].tolist(), [], [1, 2, 3], list(range(V))]
+    bias = [[(3, 5.0)], [], [(V - 1, 2.0), (V - 1, 1.0)], [], [(0, -1.0)], [], []]
+    for k in (0, 1, 20, 64):
+        ref = reference(x, k, lists, bias)
+        out = ops.topk_logprobs(x.cuda(), k, compact(lists), compact_bias(bias))
+        assert_matches(tuple(t.cpu() for t in out), ref, 1e-5)
+    for B, V in ((1, 151936), (128, 151936), (33, 49152)):
+        x = randn(B, V, seed=B)
+        assert_matches(tuple(t.cpu() for t in ops.topk_logprobs(x.cuda(), 64)),
+                       reference(x, 64), 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU and freetoken._C built with CUDA")
+def test_cuda_errors_and_ties():
+    x = torch.zeros(3, 5000)
+    ids, _, _ = ops.topk_logprobs(x.cuda(), 10)
+    assert ids.cpu()[0].tolist() == list(range(10))
+    x[1, 77] = float("nan")
+    with pytest.raises(RuntimeError, match="row 1 has NaN"):
+        ops.topk_logprobs(x.cuda(), 3)
+    x[1, 77] = float("inf")
+    with pytest.raises(RuntimeError, match="row 1 has a \\+inf"):
+        ops.topk_logprobs(x.cuda(), 3)
