@@ -149,3 +149,113 @@ def test_smollm2_gguf_config(smollm2_fp32, smollm2_path):
     assert sum(p.numel() for p in smollm2_fp32.model.parameters()) == 134_515_008
     assert smollm2_fp32.tokenizer is not None
     assert smollm2_fp32.tokenizer.vocab_size == c.vocab_size
+
+
+# --- GGUF files written here from the tiny transformers checkpoints -------------------------
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(w, num_heads):
+    """What llama.cpp's convert_hf_to_gguf does to llama q/k rows (the loader must undo it)."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(hf_model, path, arch: str, qtype_name: str):
+    import gguf
+    import numpy as np
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(2)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{_GGUF_LAYER[rest]}"
+            if arch == "llama" and rest.startswith("self_attn.q_proj"):
+                array = llama_cpp_permute(array, c.num_attention_heads)
+            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+                array = llama_cpp_permute(array, c.num_key_value_heads)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_gguf_f32_equals_safetensors(tiny_checkpoint, tmp_path, arch, tied):
+    """The same weights through GGUF (with llama.cpp's q/k permutation) and through safetensors
+    give the same logits: the permutation is undone exactly."""
+    overrides = {"rope_scaling": None} if arch == "llama" else {}
+    path, hf_model = tiny_checkpoint(arch, tied=tied, **overrides)
+    write_gguf(hf_model, tmp_path / "tiny.gguf", arch, "F32")
+    from_gguf = load_model(tmp_path / "tiny.gguf", load_tokenizer=False, progress=False)
+    from_st = load_model(path, load_tokenizer=False, progress=False)
+    assert from_gguf.config.qk_norm == (arch == "qwen3")
+    assert from_gguf.config.qkv_bias == (arch == "qwen2")
+    assert from_gguf.config.tie_word_embeddings == tied
+    assert from_gguf.fingerprint != from_st.fingerprint
+    torch.testing.assert_close(forward_all_positions(from_gguf, PROMPTS),
+                               forward_all_positions(from_st, PROMPTS), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_gguf_quantized_types_match_transformers(tiny_checkpoint, tmp_path, qtype):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    _, hf_model = tiny_checkpoint("llama", rope_scaling=None)
+    write_gguf(hf_model, tmp_path / f"tiny-{qtype}.gguf", "llama", qtype)
+    ours = load_model(tmp_path / f"tiny-{qtype}.gguf", load_tokenizer=False, progress=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=f"tiny-{qtype}.gguf", dtype=torch.float32).eval()
+    torch.testing.assert_close(forward_all_positions(ours, PROMPTS),
+                               reference_logits(ref, PROMPTS), atol=1e-4, rtol=0)
+
+
+def test_gguf_unknown_architecture_is_named(tmp_path):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(tmp_path / "x.gguf", load_tokenizer=False, progress=False)
