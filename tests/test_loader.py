@@ -172,7 +172,7 @@ def llama_cpp_permute(w, num_heads):
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(hf_model, path, arch: str, qtype_name: str):
+def write_gguf(hf_model, path, arch: str, qtype_name: str, rope_freqs=None):
     import gguf
     import numpy as np
 
@@ -192,6 +192,8 @@ def write_gguf(hf_model, path, arch: str, qtype_name: str):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(2)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -245,6 +247,27 @@ def test_gguf_quantized_types_match_transformers(tiny_checkpoint, tmp_path, qtyp
         str(tmp_path), gguf_file=f"tiny-{qtype}.gguf", dtype=torch.float32).eval()
     torch.testing.assert_close(forward_all_positions(ours, PROMPTS),
                                reference_logits(ref, PROMPTS), atol=1e-4, rtol=0)
+
+
+def test_gguf_llama3_rope_freqs_match_transformers(tiny_checkpoint, tmp_path):
+    """Llama 3.1 GGUFs carry the llama3 RoPE scaling as a rope_freqs tensor of per-frequency
+    divisors; the forward must equal transformers' llama3 rope_scaling on the same weights."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, hf_model = tiny_checkpoint("llama")           # llama3 rope_scaling
+    c = hf_model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    llama3_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+    plain = 1.0 / (c.rope_parameters["rope_theta"]
+                   ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factors = (plain / llama3_inv_freq).numpy()
+    assert factors.max() > 1.5                        # the scaling really changes something
+    write_gguf(hf_model, tmp_path / "l3.gguf", "llama", "F32", rope_freqs=factors)
+    ours = load_model(tmp_path / "l3.gguf", load_tokenizer=False, progress=False)
+    assert ours.config.rope_scaling["rope_type"] == "freq_factors"
+    prompts = [list(range(3, 100))]                   # past original_max_position_embeddings=32
+    torch.testing.assert_close(forward_all_positions(ours, prompts),
+                               reference_logits(hf_model, prompts), atol=1e-4, rtol=0)
 
 
 def test_gguf_unknown_architecture_is_named(tmp_path):

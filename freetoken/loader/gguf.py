@@ -65,6 +65,15 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
+def _rope_freq_factors(reader) -> list[float] | None:
+    import gguf
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+    return None
+
+
 def read_config(reader) -> ModelConfig:
     gguf_arch = _field(reader, "general.architecture")
     if gguf_arch not in GGUF_ARCHS:
@@ -93,6 +102,11 @@ def read_config(reader) -> ModelConfig:
                         "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+    freq_factors = _rope_freq_factors(reader)
+    if freq_factors is not None:
+        if rope_scaling is not None:
+            raise ValueError("GGUF has both rope_freqs and rope.scaling; not supported")
+        rope_scaling = {"rope_type": "freq_factors", "factors": freq_factors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -156,9 +170,8 @@ def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, tor
     for i, t in enumerate(tensors):
         name = _hf_name(t.name)
         if name is None:
-            if t.name in ("rope_freqs.weight",):
-                raise ValueError(f"GGUF tensor {t.name!r} (llama3 rope scaling) is not supported")
-            logger.debug("skipping GGUF tensor %s", t.name)
+            if t.name != "rope_freqs.weight":   # read into config.rope_scaling
+                raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
             continue
         try:
             # dequantize returns float32 [ne1, ne0] = torch [out, in] layout

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 # HF `architectures[0]` / GGUF `general.architecture` -> our family name.
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(slots=True)
@@ -26,7 +26,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # {"rope_type": "llama3"|"linear", "factor": ..., ...}
+    # {"rope_type": "llama3"|"linear", "factor": ..., ...}, or from a GGUF's rope_freqs tensor
+    # {"rope_type": "freq_factors", "factors": [head_dim // 2 floats]} (inv_freq / factors)
+    rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False         # q/k/v projections have a bias (Qwen2; Llama attention_bias)
     o_bias: bool = False           # o_proj has a bias (Llama/Qwen3 attention_bias)
@@ -66,6 +68,10 @@ class ModelConfig:
             self.rope_scaling.pop("type", None)
             if rope_type == "default":
                 self.rope_scaling = None
+            elif rope_type == "freq_factors":
+                if len(self.rope_scaling.get("factors", ())) != self.head_dim // 2:
+                    raise ValueError(f"rope freq_factors must have head_dim/2 = "
+                                     f"{self.head_dim // 2} values")
             elif not self.rope_scaling.get("factor", 0) > 0:
                 raise ValueError(f"rope_scaling.factor must be > 0, got {self.rope_scaling!r}")
         if self.sliding_window is not None:

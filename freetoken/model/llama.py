@@ -43,6 +43,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "freq_factors":   # llama.cpp's rope_freqs (Llama 3.1+ GGUFs)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
