@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,7 +82,9 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: the whole vocabulary")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - MAX_N, description="int64; choice j of n uses seed + j"
+    )
     n: int = Field(1, ge=1, le=MAX_N)
     stop: _schema_any(_STOP_SCHEMA) = None
     stop_token_ids: list[int] | None = None
@@ -384,8 +388,31 @@ def _check_logprobs_cap(value: int | None, cap: int, param: str) -> None:
         )
 
 
+def _f32(x: float) -> float:
+    """x as the engine's float32 sees it (inf when it overflows)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf
+
+
+def _check_float32(req: _SamplingFields) -> None:
+    # NOTE: the engine samples in float32; a value that overflows, or a positive one that
+    # underflows to 0, would fail the whole engine step (every request in the batch).
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(req, name, None)
+        if value is None:
+            continue
+        as32 = _f32(value)
+        if math.isinf(as32) or (
+            value > 0 and as32 == 0 and name in ("top_p", "repetition_penalty")
+        ):
+            raise InvalidRequest(f"{name} = {value} is not representable in float32", param=name)
+
+
 def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
     _check_unsupported(req)
+    _check_float32(req)
     kw: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -275,6 +275,11 @@ def test_neutral_values_accepted(name, value):
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"temperature": float("nan")}, "temperature"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"seed": 2**63 - 1}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_p": 1e-300}, "top_p"),
+        ({"temperature": 1e300}, "temperature"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ],
 )
 def test_field_refusals(body, param):

@@ -188,6 +188,9 @@ REFUSALS = [
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, "n", "n"),
     ({"prompt": "hi", "stop": ["a", 1]}, "stop[1]", "stop[1]"),
+    ({"prompt": "hi", "seed": 2**63}, "seed", "seed"),
+    ({"prompt": "hi", "top_p": 1e-300}, "top_p", "float32"),
+    ({"prompt": "hi", "temperature": 1e300}, "temperature", "float32"),
 ]
 
 
@@ -197,6 +200,24 @@ def test_completion_refusals(srv, body, param, fragment):
     assert e["type"] == "invalid_request_error"
     assert e["param"] == param, e
     assert fragment in e["message"], e
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"seed": 2**63 - 128, "n": 2},
+        {"seed": -(2**63), "n": 2},
+        {"top_k": 10**9},
+        {"temperature": 1e-300},
+        {"min_p": 1e-300},
+        {"top_p": 1e-38},
+        {"logit_bias": {"00012": 5}},
+    ],
+)
+def test_edge_values_are_served(srv, extra):
+    # values at the edge of what the engine's int64/float32 can hold: served, never a 500
+    out = srv.complete({"prompt": "Hello", "max_tokens": 1, "temperature": 1.0, **extra})
+    assert out["usage"]["completion_tokens"] == extra.get("n", 1)
 
 
 def test_neutral_values_accepted(srv):
@@ -566,6 +587,58 @@ def test_disconnect_aborts(srv, stream):
         _wait_aborted(engine, seen)
     finally:
         engine.abort = orig
+
+
+# ---- failures that are FreeToken's, not the client's ----------------------------------------
+
+
+@pytest.fixture
+def patched_submit(srv):
+    orig = srv.engine.submit
+    yield lambda fn: setattr(srv.engine, "submit", fn)
+    srv.engine.submit = orig
+
+
+def test_engine_error_is_500_with_request_id(srv, patched_submit):
+    from freetoken.sequence import RequestOutput
+
+    def failing(prompt_ids, params, request_id=None):
+        async def gen():
+            yield RequestOutput(request_id, new_token_ids=[87], new_text="x")
+            yield RequestOutput(request_id, finished=True, finish_reason="error", error="boom")
+
+        return gen()
+
+    patched_submit(failing)
+    r = srv.post("/v1/completions", {"prompt": "hi"})
+    e = error_of(r, 500)
+    assert e["type"] == "server_error" and r.headers["x-request-id"] in e["code"]
+    events = sse(srv, "/v1/completions", {"prompt": "hi"})
+    assert events[0]["choices"][0]["text"] == "x"
+    assert set(events[-1]) == {"error"} and events[-1]["error"]["type"] == "server_error"
+
+
+def test_unexpected_exception_is_500_with_request_id(srv, patched_submit):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a FreeToken bug")
+
+    patched_submit(broken)
+    r = srv.post("/v1/completions", {"prompt": "hi"})
+    e = error_of(r, 500)
+    assert e["code"] == r.headers["x-request-id"] and e["code"] in e["message"]
+    assert "bug" not in e["message"]  # internals stay in the log
+
+
+def test_overloaded_is_503_with_retry_after(srv, patched_submit):
+    from freetoken.errors import Overloaded
+
+    def full(*args, **kwargs):
+        raise Overloaded(retry_after_s=2)
+
+    patched_submit(full)
+    r = srv.post("/v1/completions", {"prompt": "hi"})
+    e = error_of(r, 503)
+    assert e["type"] == "overloaded" and r.headers["retry-after"] == "2"
 
 
 # ---- sampling fields ------------------------------------------------------------------------
