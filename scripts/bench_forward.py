@@ -84,16 +84,19 @@ def bench(args) -> dict:
         if i % 16 == 15:
             log(f"decode {i + 1}/{args.decode_tokens}: {1 / step_s[-1]:.1f} tok/s")
     steady = sorted(step_s[1:] or step_s)
-    decode_tps = 1 / steady[len(steady) // 2]   # median step
+    decode_tps = 1 / steady[len(steady) // 2]  # median step
 
     # batched decode: decode_batch sequences, each with prompt_len context
     batch_tps = None
     if args.decode_batch > 1:
-        tables = [list(range(s * num_blocks_one, (s + 1) * num_blocks_one))
-                  for s in range(args.decode_batch)]
-        for s in range(1, args.decode_batch):   # their prompts, one prefill each
-            model.forward(build_forward_batch([(prompt(args.prompt_len), 0, tables[s])], bs,
-                                              args.device), kv)
+        tables = [
+            list(range(s * num_blocks_one, (s + 1) * num_blocks_one))
+            for s in range(args.decode_batch)
+        ]
+        for s in range(1, args.decode_batch):  # their prompts, one prefill each
+            model.forward(
+                build_forward_batch([(prompt(args.prompt_len), 0, tables[s])], bs, args.device), kv
+            )
         tokens, times = [ids[-1]] * args.decode_batch, []
         for i in range(min(16, args.decode_tokens)):
             seqs = [([tokens[s]], args.prompt_len + i, tables[s]) for s in range(args.decode_batch)]
@@ -108,13 +111,19 @@ def bench(args) -> dict:
         log(f"batched decode x{args.decode_batch}: {batch_tps:.1f} tok/s")
 
     import torch as _t
+
     return {
-        "model": str(loaded.path.name), "arch": cfg.arch, "dtype": args.dtype,
-        "device": args.device, "threads": _t.get_num_threads(),
+        "model": str(loaded.path.name),
+        "arch": cfg.arch,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": _t.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-        "load_s": round(load_s, 2), "rss_after_load_mb": round(rss_after_load_mb),
+        "load_s": round(load_s, 2),
+        "rss_after_load_mb": round(rss_after_load_mb),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "prompt_len": args.prompt_len, "prefill_tok_s": round(prefill_tps, 1),
+        "prompt_len": args.prompt_len,
+        "prefill_tok_s": round(prefill_tps, 1),
         "decode_tok_s": round(decode_tps, 2),
         "decode_batch": args.decode_batch,
         "batched_decode_tok_s": round(batch_tps, 1) if batch_tps else None,
@@ -122,8 +131,16 @@ def bench(args) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    keys = ["omp_wait_policy", "threads", "dtype", "load_s", "peak_rss_mb", "prefill_tok_s",
-            "decode_tok_s", "batched_decode_tok_s"]
+    keys = [
+        "omp_wait_policy",
+        "threads",
+        "dtype",
+        "load_s",
+        "peak_rss_mb",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "batched_decode_tok_s",
+    ]
     widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
     for r in rows:
@@ -140,8 +157,11 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--compare-wait-policy", action="store_true",
-                   help="run PASSIVE and the OpenMP default in subprocesses, 1 and 2 threads")
+    p.add_argument(
+        "--compare-wait-policy",
+        action="store_true",
+        help="run PASSIVE and the OpenMP default in subprocesses, 1 and 2 threads",
+    )
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.compare_wait_policy:
@@ -153,9 +173,13 @@ def main() -> None:
                 if policy:
                     env["OMP_WAIT_POLICY"] = policy
                 log(f"== OMP_WAIT_POLICY={policy or '(default)'} threads={threads}")
-                out = subprocess.run([sys.executable, __file__, *base, "--threads", str(threads),
-                                      "--json-only"], env=env, check=True, text=True,
-                                     stdout=subprocess.PIPE).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, *base, "--threads", str(threads), "--json-only"],
+                    env=env,
+                    check=True,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                ).stdout
                 rows.append(json.loads(out.strip().splitlines()[-1]))
         print_table(rows)
         print(json.dumps({"runs": rows}))

@@ -42,15 +42,26 @@ def transformers_smollm2(smollm2_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
 TINY_CONFIGS = {
     # arch -> (transformers config class name, kwargs); tiny shapes, every feature switched on.
-    "llama": ("LlamaConfig", dict(rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}, rope_theta=500000.0)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
@@ -72,10 +83,19 @@ def tiny_checkpoint(tmp_path_factory):
         if key in cache:
             return cache[key]
         cls_name, extra = TINY_CONFIGS[arch]
-        kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1,
-                      eos_token_id=[2, 3])
+        kwargs = dict(
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=tied,
+            bos_token_id=1,
+            eos_token_id=[2, 3],
+        )
         kwargs.update(extra)
         kwargs.update(overrides)
         config = getattr(transformers, cls_name)(**kwargs)

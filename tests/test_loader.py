@@ -24,7 +24,7 @@ def forward_all_positions(loaded, prompts: list[list[int]], block_size: int = 4)
         next_block += num_blocks
     kv = loaded.model.make_kv_cache(next_block, block_size)
     batch = build_forward_batch(seqs, block_size, all_logits=True)
-    return loaded.model.compute_logits(loaded.model.forward(batch, kv))   # [sum T, V]
+    return loaded.model.compute_logits(loaded.model.forward(batch, kv))  # [sum T, V]
 
 
 def reference_logits(hf_model, prompts: list[list[int]]) -> torch.Tensor:
@@ -35,15 +35,18 @@ def reference_logits(hf_model, prompts: list[list[int]]) -> torch.Tensor:
 PROMPTS = [[1, 5, 9, 33, 7], list(range(4, 44)), [17] * 3 + list(range(50, 100, 3)), [2]]
 
 
-@pytest.mark.parametrize("arch, tied, shard", [
-    ("llama", False, False),   # llama3 rope scaling, untied
-    ("llama", True, True),     # tied embeddings, sharded checkpoint
-    ("qwen2", True, False),    # qkv bias
-    ("qwen2", False, True),
-    ("qwen3", False, False),   # q/k norm, head_dim != hidden / heads
-    ("qwen3", True, False),
-    ("mistral", False, False),
-])
+@pytest.mark.parametrize(
+    "arch, tied, shard",
+    [
+        ("llama", False, False),  # llama3 rope scaling, untied
+        ("llama", True, True),  # tied embeddings, sharded checkpoint
+        ("qwen2", True, False),  # qkv bias
+        ("qwen2", False, True),
+        ("qwen3", False, False),  # q/k norm, head_dim != hidden / heads
+        ("qwen3", True, False),
+        ("mistral", False, False),
+    ],
+)
 def test_safetensors_matches_transformers(tiny_checkpoint, arch, tied, shard):
     path, hf_model = tiny_checkpoint(arch, tied=tied, shard=shard)
     if shard:
@@ -64,8 +67,12 @@ def test_mistral_sliding_window_matches_transformers(tiny_checkpoint):
     loaded = load_model(path, load_tokenizer=False, progress=False)
     assert loaded.config.sliding_window == 8
     prompts = [list(range(3, 40)), list(range(60, 80))]
-    torch.testing.assert_close(forward_all_positions(loaded, prompts),
-                               reference_logits(hf_model, prompts), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        forward_all_positions(loaded, prompts),
+        reference_logits(hf_model, prompts),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_safetensors_bf16(tiny_checkpoint):
@@ -79,8 +86,9 @@ def test_safetensors_bf16(tiny_checkpoint):
 
 
 def test_unknown_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8})
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         load_model(tmp_path, load_tokenizer=False, progress=False)
 
@@ -107,8 +115,15 @@ def test_not_a_model_path(tmp_path):
 
 
 def test_model_config_checks():
-    base = dict(arch="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1,
-                num_heads=2, num_kv_heads=1)
+    base = dict(
+        arch="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+    )
     assert ModelConfig(**base).head_dim == 4
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(**{**base, "num_heads": 3, "hidden_size": 12, "num_kv_heads": 2})
@@ -138,8 +153,13 @@ def test_default_model_path_missing(monkeypatch):
 @pytest.mark.real_model
 def test_smollm2_gguf_config(smollm2_fp32, smollm2_path):
     c = smollm2_fp32.config
-    assert (c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == \
-        ("llama", 30, 576, 9, 3)
+    assert (c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (1536, 49152, 8192)
     assert c.rope_theta == 100000.0 and abs(c.rms_norm_eps - 1e-5) < 1e-9
     assert c.tie_word_embeddings and c.rope_scaling is None
@@ -156,20 +176,28 @@ def test_smollm2_gguf_config(smollm2_fp32, smollm2_path):
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
 
 def llama_cpp_permute(w, num_heads):
     """What llama.cpp's convert_hf_to_gguf does to llama q/k rows (the loader must undo it)."""
-    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(hf_model, path, arch: str, qtype_name: str, rope_freqs=None):
@@ -206,9 +234,11 @@ def write_gguf(hf_model, path, arch: str, qtype_name: str, rope_freqs=None):
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
                 array = llama_cpp_permute(array, c.num_key_value_heads)
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight",
-                     "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
@@ -232,8 +262,12 @@ def test_gguf_f32_equals_safetensors(tiny_checkpoint, tmp_path, arch, tied):
     assert from_gguf.config.qkv_bias == (arch == "qwen2")
     assert from_gguf.config.tie_word_embeddings == tied
     assert from_gguf.fingerprint != from_st.fingerprint
-    torch.testing.assert_close(forward_all_positions(from_gguf, PROMPTS),
-                               forward_all_positions(from_st, PROMPTS), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        forward_all_positions(from_gguf, PROMPTS),
+        forward_all_positions(from_st, PROMPTS),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
@@ -244,9 +278,11 @@ def test_gguf_quantized_types_match_transformers(tiny_checkpoint, tmp_path, qtyp
     write_gguf(hf_model, tmp_path / f"tiny-{qtype}.gguf", "llama", qtype)
     ours = load_model(tmp_path / f"tiny-{qtype}.gguf", load_tokenizer=False, progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file=f"tiny-{qtype}.gguf", dtype=torch.float32).eval()
-    torch.testing.assert_close(forward_all_positions(ours, PROMPTS),
-                               reference_logits(ref, PROMPTS), atol=1e-4, rtol=0)
+        str(tmp_path), gguf_file=f"tiny-{qtype}.gguf", dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(
+        forward_all_positions(ours, PROMPTS), reference_logits(ref, PROMPTS), atol=1e-4, rtol=0
+    )
 
 
 def test_gguf_llama3_rope_freqs_match_transformers(tiny_checkpoint, tmp_path):
@@ -254,20 +290,23 @@ def test_gguf_llama3_rope_freqs_match_transformers(tiny_checkpoint, tmp_path):
     divisors; the forward must equal transformers' llama3 rope_scaling on the same weights."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    _, hf_model = tiny_checkpoint("llama")           # llama3 rope_scaling
+    _, hf_model = tiny_checkpoint("llama")  # llama3 rope_scaling
     c = hf_model.config
     head_dim = c.hidden_size // c.num_attention_heads
     llama3_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
-    plain = 1.0 / (c.rope_parameters["rope_theta"]
-                   ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    plain = 1.0 / (
+        c.rope_parameters["rope_theta"]
+        ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     factors = (plain / llama3_inv_freq).numpy()
-    assert factors.max() > 1.5                        # the scaling really changes something
+    assert factors.max() > 1.5  # the scaling really changes something
     write_gguf(hf_model, tmp_path / "l3.gguf", "llama", "F32", rope_freqs=factors)
     ours = load_model(tmp_path / "l3.gguf", load_tokenizer=False, progress=False)
     assert ours.config.rope_scaling["rope_type"] == "freq_factors"
-    prompts = [list(range(3, 100))]                   # past original_max_position_embeddings=32
-    torch.testing.assert_close(forward_all_positions(ours, prompts),
-                               reference_logits(hf_model, prompts), atol=1e-4, rtol=0)
+    prompts = [list(range(3, 100))]  # past original_max_position_embeddings=32
+    torch.testing.assert_close(
+        forward_all_positions(ours, prompts), reference_logits(hf_model, prompts), atol=1e-4, rtol=0
+    )
 
 
 def test_gguf_unknown_architecture_is_named(tmp_path):

@@ -26,7 +26,11 @@ def make_prompts() -> list[list[int]]:
             phrase = torch.randint(200, 8000, (7,), generator=g).tolist()
             ids = (phrase * (n // 7 + 1))[:n]
         elif i % 3 == 2:
-            ids = [1, 9690, 198] + torch.randint(100, 30000, (n - 5,), generator=g).tolist() + [2, 198]
+            ids = (
+                [1, 9690, 198]
+                + torch.randint(100, 30000, (n - 5,), generator=g).tolist()
+                + [2, 198]
+            )
         else:
             ids = torch.randint(0, 49152, (n,), generator=g).tolist()
         prompts.append(ids)
@@ -47,8 +51,9 @@ def last_logits(loaded, seqs, kv) -> torch.Tensor:
 
 def hf_greedy(hf_model, prompt: list[int], num_new: int) -> list[int]:
     # transformers 5 renamed past_key_values -> cache
-    cache_kw = ("cache" if "cache" in inspect.signature(hf_model.forward).parameters
-                else "past_key_values")
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    )
     ids = torch.tensor([prompt])
     out_ids, past = [], None
     with torch.no_grad():
@@ -88,11 +93,11 @@ def test_smollm2_greedy_matches_transformers(smollm2_fp32, transformers_smollm2,
 
 @pytest.mark.real_model
 def test_batched_prefill_equals_one_at_a_time(smollm2_fp32):
-    prompts = [PROMPTS[1], PROMPTS[5], PROMPTS[3], PROMPTS[0]]   # 9, 64, 31, 5 tokens
+    prompts = [PROMPTS[1], PROMPTS[5], PROMPTS[3], PROMPTS[0]]  # 9, 64, 31, 5 tokens
     kv = smollm2_fp32.model.make_kv_cache(16, BLOCK_SIZE)
     singles = [last_logits(smollm2_fp32, [(p, 0, blocks_for(len(p)))], kv)[0] for p in prompts]
     seqs, first = [], 0
-    for p in prompts:   # distinct, non-contiguous blocks per sequence
+    for p in prompts:  # distinct, non-contiguous blocks per sequence
         seqs.append((p, 0, blocks_for(len(p), first)[::-1]))
         first += len(seqs[-1][2]) + 1
     batched = last_logits(smollm2_fp32, seqs, kv)
@@ -102,21 +107,22 @@ def test_batched_prefill_equals_one_at_a_time(smollm2_fp32):
 
 @pytest.mark.real_model
 def test_chunked_prefill_equals_one_shot_and_fills_kv(smollm2_fp32):
-    prompt = PROMPTS[7]   # 129 tokens
+    prompt = PROMPTS[7]  # 129 tokens
     blocks = blocks_for(len(prompt))
     kv_one = smollm2_fp32.model.make_kv_cache(len(blocks), BLOCK_SIZE)
     one_shot = last_logits(smollm2_fp32, [(prompt, 0, blocks)], kv_one)[0]
     kv = smollm2_fp32.model.make_kv_cache(len(blocks), BLOCK_SIZE)
-    split = 50   # not a block boundary
+    split = 50  # not a block boundary
     last_logits(smollm2_fp32, [(prompt[:split], 0, blocks)], kv)
     chunked = last_logits(smollm2_fp32, [(prompt[split:], split, blocks)], kv)[0]
     torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=0)
     n = len(prompt)
     for layer in (0, 29):
-        torch.testing.assert_close(kv.k[layer].view(-1, 3, 64)[:n],
-                                   kv_one.k[layer].view(-1, 3, 64)[:n], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            kv.k[layer].view(-1, 3, 64)[:n], kv_one.k[layer].view(-1, 3, 64)[:n], atol=1e-4, rtol=0
+        )
     # kv.hidden holds every token's final-norm hidden state: logits of any cached position
-    logits_mid = smollm2_fp32.model.compute_logits(kv.hidden[split - 1:split])
+    logits_mid = smollm2_fp32.model.compute_logits(kv.hidden[split - 1 : split])
     ref_mid = last_logits(smollm2_fp32, [(prompt[:split], 0, blocks)], kv_one)
     torch.testing.assert_close(logits_mid, ref_mid, atol=1e-4, rtol=0)
 
@@ -124,7 +130,7 @@ def test_chunked_prefill_equals_one_shot_and_fills_kv(smollm2_fp32):
 @pytest.mark.real_model
 def test_batched_decode_equals_single_decode(smollm2_fp32):
     model = smollm2_fp32.model
-    prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[0]]   # 17, 100, 5 tokens
+    prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[0]]  # 17, 100, 5 tokens
     kv = model.make_kv_cache(32, BLOCK_SIZE)
     tables = [blocks_for(len(p) + 4, first) for p, first in zip(prompts, (0, 10, 20))]
     batch = [(p, 0, t) for p, t in zip(prompts, tables)]
@@ -146,9 +152,9 @@ def test_mixed_step_and_prefix_reuse(smollm2_fp32):
     """One step with a decode, a chunk continuing a prompt, and a sequence whose first two blocks
     were computed by another sequence (prefix cache): each equals its cold one-shot logits."""
     model = smollm2_fp32.model
-    a, b = PROMPTS[5], PROMPTS[9]          # 64 and 222 tokens
-    shared = a[:32]                        # two full blocks
-    c = shared + PROMPTS[3][:20]           # 52 tokens, shares blocks 0,1 of `a`
+    a, b = PROMPTS[5], PROMPTS[9]  # 64 and 222 tokens
+    shared = a[:32]  # two full blocks
+    c = shared + PROMPTS[3][:20]  # 52 tokens, shares blocks 0,1 of `a`
     kv = model.make_kv_cache(64, BLOCK_SIZE)
     ta, tb = blocks_for(len(a) + 1, 0), blocks_for(len(b), 10)
     tc = ta[:2] + blocks_for(len(c) - 32, 40)
@@ -174,7 +180,7 @@ def test_tiny_llama_forward_contract(tiny_checkpoint):
     hidden = loaded.model.forward(batch, kv)
     assert hidden.shape == (10, loaded.config.hidden_size)
     torch.testing.assert_close(kv.hidden[batch.slot_mapping], hidden)
-    assert kv.hidden[4:8].abs().sum() == 0   # block 1 unused
+    assert kv.hidden[4:8].abs().sum() == 0  # block 1 unused
     logits = loaded.model.compute_logits(hidden)
     assert logits.shape == (10, loaded.config.vocab_size) and logits.dtype == torch.float32
 
@@ -186,8 +192,9 @@ def test_cuda_bf16_matches_cpu(tiny_checkpoint):
 
     path, _ = tiny_checkpoint("qwen3")
     cpu = load_model(path, load_tokenizer=False, progress=False)
-    gpu = load_model(path, dtype=torch.bfloat16, device="cuda", load_tokenizer=False,
-                     progress=False)
+    gpu = load_model(
+        path, dtype=torch.bfloat16, device="cuda", load_tokenizer=False, progress=False
+    )
     prompts = [list(range(3, 30)), [7, 8, 9]]
     seqs = [(prompts[0], 0, [0, 1, 2, 3, 4, 5, 6]), (prompts[1], 0, [9])]
     out = []

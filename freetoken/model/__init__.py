@@ -10,9 +10,12 @@ from freetoken.model.llama import LlamaForCausalLM
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
-                dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
     Built on the meta device (no random init), then each parameter is replaced by its HF-named

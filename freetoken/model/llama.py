@@ -38,12 +38,13 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies, with linear / llama3 scaling as in HF."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta
-                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
-    if scaling["rope_type"] == "freq_factors":   # llama.cpp's rope_freqs (Llama 3.1+ GGUFs)
+    if scaling["rope_type"] == "freq_factors":  # llama.cpp's rope_freqs (Llama 3.1+ GGUFs)
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
@@ -73,21 +74,28 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, hd]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)       # [T, nh, hd]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, kvh, hd]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, nh, hd]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -101,10 +109,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
@@ -151,20 +161,20 @@ class LlamaForCausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions: [T] int64 -> cos, sin: [T, 1, hd] in `dtype` (computed in fp32, as HF does)
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, hd]
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         meta = build_attention_metadata(batch, kv.block_size, self.config.sliding_window)
-        x = self.embed_tokens(batch.input_ids)                                # [T, H]
+        x = self.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = self.rope(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
-        x = self.norm(x)                                                      # [T, H]
+        x = self.norm(x)  # [T, H]
         kv.hidden[batch.slot_mapping] = x.to(kv.hidden.dtype)
-        return x[batch.logits_indices]                                        # [N, H]
+        return x[batch.logits_indices]  # [N, H]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,12 +184,21 @@ class LlamaForCausalLM(nn.Module):
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KVCache shaped for this model, on its device and in its dtype."""
         c, w = self.config, self.embed_tokens.weight
-        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                       c.hidden_size, w.dtype, w.device)
+        return KVCache(
+            c.num_layers,
+            num_blocks,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            w.dtype,
+            w.device,
+        )
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device | str) -> None:
+    def load_weights(
+        self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         """Install HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...), fusing q/k/v
         and gate/up, on a model built on the meta device. Consumes `weights` (pops each tensor as
         it is used, so peak memory stays near one copy of the model). Raises ValueError naming any
@@ -197,8 +216,10 @@ class LlamaForCausalLM(nn.Module):
             value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             expected = getattr(module, attr).shape
             if tuple(value.shape) != tuple(expected):
-                raise ValueError(f"tensor {names[0]!r} has shape {tuple(parts[0].shape)}; the "
-                                 f"config implies {tuple(expected)} (fused over {len(names)})")
+                raise ValueError(
+                    f"tensor {names[0]!r} has shape {tuple(parts[0].shape)}; the "
+                    f"config implies {tuple(expected)} (fused over {len(names)})"
+                )
             value = value.to(device=device, dtype=dtype).contiguous()
             setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
@@ -227,7 +248,9 @@ class LlamaForCausalLM(nn.Module):
                 put(mlp.down_proj, "bias", [p + "mlp.down_proj.bias"])
         leftover = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
         if leftover:
-            raise ValueError(f"checkpoint has unexpected tensors: {leftover[:5]}"
-                             + (f" (+{len(leftover) - 5} more)" if len(leftover) > 5 else ""))
+            raise ValueError(
+                f"checkpoint has unexpected tensors: {leftover[:5]}"
+                + (f" (+{len(leftover) - 5} more)" if len(leftover) > 5 else "")
+            )
         # RoPE frequencies stay fp32 whatever the model dtype, as in transformers.
         self.inv_freq = rope_inv_freq(self.config).to(device)
