@@ -687,16 +687,15 @@ def token_key(tokenizer, token_id: int, as_ids: bool) -> str:
 
 
 def _top_dict(tokenizer, tl, k: int, as_ids: bool) -> dict[str, float]:
-    """Top k plus the sampled token plus the logprob_token_ids entries.
+    """Top k plus the sampled token plus the logprob_token_ids entries, best first.
 
     NOTE: without return_tokens_as_token_ids two ids can decode to the same text; the dict keeps
-    the first (the higher-ranked) one. With token_id:N keys nothing collides.
+    the higher logprob of the two. With token_id:N keys nothing collides.
     """
+    entries = [*list(tl.top)[:k], (tl.token_id, tl.logprob), *(getattr(tl, "extra", None) or [])]
+    entries.sort(key=lambda e: -float(e[1]))  # stable: ties keep the engine's order
     out: dict[str, float] = {}
-    for tid, lp in list(tl.top)[:k]:
-        out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
-    out.setdefault(token_key(tokenizer, tl.token_id, as_ids), float(tl.logprob))
-    for tid, lp in getattr(tl, "extra", None) or []:
+    for tid, lp in entries:
         out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
     return out
 

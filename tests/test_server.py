@@ -408,6 +408,23 @@ def test_logprob_token_ids(srv):
         assert {f"token_id:{t}" for t in (YES, NO, 5)} <= set(top)
 
 
+def test_same_text_ids_do_not_collide(srv):
+    # 111 and 112 are partial UTF-8 bytes: each alone decodes to U+FFFD
+    tok = srv.engine.tokenizer
+    assert tok.decode([111], skip_special_tokens=False) == tok.decode([112], False) == "\ufffd"
+    base = {"prompt": QUESTION, "max_tokens": 1, "temperature": 0, "logprobs": 0}
+    out = srv.complete(
+        {**base, "logprob_token_ids": [111, 112], "return_tokens_as_token_ids": True}
+    )
+    top = out["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert {"token_id:111", "token_id:112"} <= set(top) and len(top) == 3
+    best = max(top["token_id:111"], top["token_id:112"])
+    # with text keys the two collide on one key (docs/api.md: the higher-ranked one is kept)
+    out = srv.complete({**base, "logprob_token_ids": [111, 112]})
+    top = out["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) == 2 and abs(top["\ufffd"] - best) < 1e-4
+
+
 # ---- echo / prompt logprobs -----------------------------------------------------------------
 
 
