@@ -40,7 +40,10 @@ def transformers_smollm2(smollm2_path):
     """The transformers reference for the same GGUF (fp32), loaded once per session."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    try:
+        import accelerate  # noqa: F401  (transformers refuses gguf_file= without it)
+    except ImportError:
+        pytest.fail("transformers needs `accelerate` to load a GGUF: add it to the test extras")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     )
