@@ -250,7 +250,9 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; ids with no token (negative, >= vocab_size) contribute nothing."""
+        n = self.vocab_size
+        return self._hf.decode([i for i in ids if 0 <= i < n], skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         """The raw vocabulary piece (byte-level spelling, e.g. 'Ġhello')."""
