@@ -1,7 +1,7 @@
 """Builds freetoken._C, the fused mask / logit-bias / log-softmax / top-k kernel.
 
 The CPU implementation is always built. The CUDA implementation (csrc/cuda/*.cu plus the torch
-glue csrc/cuda_glue.cpp) is added, with -DWITH_CUDA, only when torch itself has CUDA
+glue csrc/cuda/ops_cuda_glue.cpp) is added, with -DWITH_CUDA, only when torch itself has CUDA
 (torch.version.cuda) and a toolkit is found (CUDA_HOME or nvcc on PATH); building it needs a
 toolchain, not a GPU.
 
@@ -57,6 +57,7 @@ def get_extensions():
     ext_cls = CppExtension
     if _cuda_available():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         macros.append(("WITH_CUDA", None))
         extra["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3"]) + [
             "-std=c++17",
@@ -64,8 +65,6 @@ def get_extensions():
             "-gencode=arch=compute_90,code=sm_90",
         ]
         ext_cls = CUDAExtension
-    else:
-        sources = [s for s in sources if not s.endswith("cuda_glue.cpp")]
     return [
         ext_cls(
             "freetoken._C",
