@@ -91,6 +91,12 @@ def build_attention_metadata(
     return AttentionMetadata(batch.slot_mapping, decode_idx, decode_slots, decode_mask, prefills)
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # flat: [num_slots, kvh, hd]; slots: [..., L] -> [..., L, kvh, hd] in `dtype`
+    out = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+    return out.to(dtype)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,14 +113,15 @@ def paged_attention(
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [NB*bs, kvh, hd]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
-    v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
+    # NOTE: index_copy_/index_select over flat slots, not advanced indexing: ~3x faster on CPU.
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
     out = torch.empty_like(q)  # [T, nh, hd]
 
     if meta.decode_token_idx is not None:
         qd = q[meta.decode_token_idx].unsqueeze(2)  # [Sd, nh, 1, hd]
-        kd = k_flat[meta.decode_ctx_slots].to(q.dtype).transpose(1, 2)  # [Sd, kvh, Ld, hd]
-        vd = v_flat[meta.decode_ctx_slots].to(q.dtype).transpose(1, 2)
+        kd = _gather(k_flat, meta.decode_ctx_slots, q.dtype).transpose(1, 2)  # [Sd, kvh, Ld, hd]
+        vd = _gather(v_flat, meta.decode_ctx_slots, q.dtype).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )  # [Sd, nh, 1, hd]
@@ -130,8 +137,9 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kp = k_flat[piece.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, hd]
-            vp = v_flat[piece.ctx_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            kp = _gather(k_flat, piece.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            vp = _gather(v_flat, piece.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            # kp, vp: [1, kvh, L, hd]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=piece.mask, scale=scale, enable_gqa=True
             )
