@@ -16,7 +16,8 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def client():
     srv = get_server()
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
 
 
 def test_completion(client):

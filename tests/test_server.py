@@ -8,6 +8,7 @@ logprobs; streaming == non-streaming; /metrics parses and moves.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -92,7 +93,18 @@ def get_server() -> Server:
         time.sleep(0.05)
     srv = Server(engine, f"http://127.0.0.1:{port}")
     _SERVER.update(server=srv, uvicorn=server, thread=thread)
+    atexit.register(_stop_server)
     return srv
+
+
+def _stop_server() -> None:
+    srv = _SERVER.pop("server", None)
+    if srv is None:
+        return
+    srv.http.close()
+    _SERVER["uvicorn"].should_exit = True
+    _SERVER["thread"].join(10)
+    srv.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
