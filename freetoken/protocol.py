@@ -473,7 +473,7 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None  # legacy top-K per position (None: no logprobs)
     prompt_logprobs: int | None = None  # the vLLM `prompt_logprobs` field
-    score_only: bool = False  # max_tokens 0 + echo: drop the one generated token
+    score_only: bool = False  # max_tokens 0 + echo: the prompt is scored, nothing sampled
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -516,9 +516,7 @@ def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 6
     )
     _check_context(prompts, max_tokens, limits.max_model_len)
     score_only = max_tokens == 0
-    kw["max_tokens"] = max(max_tokens, 1)
-    if score_only:
-        kw["min_tokens"] = 0
+    kw["max_tokens"] = max_tokens  # 0: the engine finishes once the prompt is computed
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
         if req.logprob_token_ids:

@@ -328,7 +328,7 @@ def test_sampling_params_built():
 
 def test_echo_requests_prompt_logprobs():
     p = parse({"prompt": [1, 2], "echo": True, "logprobs": 3, "max_tokens": 0})
-    assert p.score_only and p.params.max_tokens == 1 and p.params.prompt_logprobs == 3
+    assert p.score_only and p.params.max_tokens == 0 and p.params.prompt_logprobs == 3
     assert p.prompt_logprobs is None
 
 
