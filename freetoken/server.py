@@ -162,7 +162,7 @@ class _Handlers:
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
 
     def _check_model(self, model: str | None) -> None:
@@ -385,6 +385,7 @@ class _Handlers:
     async def detokenize(self, request: Request) -> Response:
         body = await self._json(request)
         ids = protocol.parse_detokenize(body, self.limits)
+        self._check_model(body.get("model"))
         return JSONResponse({"prompt": self.tok.decode(ids, skip_special_tokens=False)})
 
     async def tokenizer_info(self, request: Request) -> Response:

@@ -290,6 +290,8 @@ def test_other_errors(srv):
     error_of(srv.post("/v1/completions", [1, 2]))
     error_of(srv.http.post("/v1/completions", content=b"x" * (2 << 20)), 413)
     error_of(srv.http.get("/v1/nothing-here"), 404)
+    error_of(srv.http.get("/v1/completions"), 405)
+    error_of(srv.http.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000))
     error_of(srv.post("/tokenize", {"prompt": 5}))
     e = error_of(srv.post("/detokenize", {"tokens": [1, 49152]}))
     assert e["param"] == "tokens[1]"
@@ -656,6 +658,12 @@ def test_unexpected_exception_is_500_with_request_id(srv, patched_submit):
     e = error_of(r, 500)
     assert e["code"] == r.headers["x-request-id"] and e["code"] in e["message"]
     assert "bug" not in e["message"]  # internals stay in the log
+
+
+def test_health_503_when_engine_dead(srv, monkeypatch):
+    monkeypatch.setattr(srv.engine, "is_alive", lambda: False)
+    e = error_of(srv.http.get("/health"), 503)
+    assert e["type"] == "unavailable_error"
 
 
 def test_overloaded_is_503_with_retry_after(srv, patched_submit):
