@@ -92,11 +92,15 @@ def load_model(
         raise FileNotFoundError(f"model path {path} does not exist")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if is_gguf:
-        from freetoken.loader.gguf import load_gguf, open_gguf
+        from freetoken.loader.gguf import open_gguf, read_config, read_weights
 
         reader = open_gguf(path)
-        config, weights = load_gguf(reader, progress=progress)
+        config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
+        # NOTE: the parsed metadata (mostly the vocabulary) is ~150 MB of Python objects; drop it
+        # before dequantising so it does not add to the peak.
+        reader.fields.clear()
+        weights = read_weights(reader, config, progress=progress)
         del reader
         files = [path]
     elif path.is_dir():

@@ -163,6 +163,13 @@ def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, tor
 
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     config = read_config(reader)
+    return config, read_weights(reader, config, progress)
+
+
+def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor to fp32, keyed by HF names (reader.fields is not used)."""
+    import gguf
+
     # NOTE: only the llama converter permutes q/k (for llama.cpp's RoPE layout); qwen2/qwen3
     # GGUFs keep HF's row order (llama.cpp uses NEOX-style RoPE for them).
     permute = config.arch in ("llama", "mistral")
@@ -201,4 +208,4 @@ def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, tor
             )
     if progress:
         print(file=sys.stderr, flush=True)
-    return config, weights
+    return weights
