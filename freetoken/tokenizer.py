@@ -37,15 +37,8 @@ from freetoken.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
 
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = (
-    1,
-    2,
-    3,
-    4,
-    5,
-    6,
-)
+# GGUF token types (llama.cpp's llama_token_type) that matter here.
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
 # The split regexes, in the form the models' own tokenizer.json files spell them (the `tokenizers`
 # library runs Oniguruma, which takes them as written; llama.cpp keeps "adapted" twins of these for
@@ -81,31 +74,16 @@ _PRE_FAMILIES: dict[str, tuple[tuple[str, ...], bool]] = {
     "gpt4o": ((_GPT4O_SPLIT,), False),
 }
 _PRE_TOKENIZERS: dict[str, str] = {
-    **dict.fromkeys(
-        ["gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2", "trillion", "granite-docling", "default"],
-        "gpt2",
-    ),
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-        "smollm",
-    ),
-    **dict.fromkeys(
-        [
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "dbrx",
-            "smaug-bpe",
-        ],
-        "llama3",
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], "qwen2"),
-    **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], "gpt4o"),
+    name: family
+    for family, names in {
+        "gpt2": "gpt-2 gpt2 mpt olmo jais phi-2 trillion granite-docling default",
+        "smollm": "smollm starcoder refact command-r codeshell exaone minerva-7b",
+        "llama3": "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 dbrx "
+        "smaug-bpe",
+        "qwen2": "qwen2 deepseek-r1-qwen stablelm2 megrez hunyuan",
+        "gpt4o": "gpt-4o llama4 minimax-m2",
+    }.items()
+    for name in names.split()
 }
 
 
