@@ -30,6 +30,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
     enable_prefix_cache: bool = True
+    enable_partial_block_reuse: bool = True  # token-granular end of a hit (kv_cache.py)
     max_logprobs: int = 20
     max_queue_len: int = 1024              # waiting requests before submit() raises Overloaded
 
@@ -55,8 +56,9 @@ class EngineConfig:
             raise ValueError(f"device is not a torch device: {self.device!r}") from exc
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise ValueError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        for name in ("enable_prefix_cache", "enable_partial_block_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def torch_device(self) -> torch.device:

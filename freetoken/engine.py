@@ -126,7 +126,8 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, bs, config.enable_prefix_cache,
                               fingerprint=loaded.fingerprint)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len, self.eos_token_ids)
+                                   max_model_len, self.eos_token_ids,
+                                   enable_partial_reuse=config.enable_partial_block_reuse)
         self.runner = Runner(self.model, self.kv, Sampler(weight.device), self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -326,7 +327,10 @@ class Engine:
         if not out.scheduled:
             time.sleep(0.001)  # NOTE: unreachable while a lone sequence always fits the pool
             return
-        results = self.runner.execute(out)
+        try:
+            results = self.runner.execute(out)
+        finally:
+            self.scheduler.release_pins(out)
         self.totals["steps_total"] += 1
         for seq in self.scheduler.update(out, results):
             self._post(seq)

@@ -19,6 +19,13 @@ Eviction order (the free queue, head evicted first):
   * a freed block that holds no index entry goes to the head: it has nothing worth keeping.
 Reallocating an indexed block drops its entry and bumps its generation, which invalidates any
 entry naming it as a parent.
+
+Partial-block reuse (find_partial): where the chain of full-block hits ends, an indexed child of
+the last hit whose first m ids equal the query's next m ids can lend those m slots: the caller
+copies their K/V (and hidden states) into the query's fresh block. K/V at a position depends only
+on the tokens up to it, so the copy is exactly what a cold run would compute. This makes the
+cache token-granular at the end of a shared prefix (a 175-token shared instruction reuses 175
+tokens, not 160), without a radix tree.
 """
 
 from __future__ import annotations
@@ -107,6 +114,8 @@ class BlockPool:
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.index = PrefixIndex(fingerprint, hash_fn)
+        # (parent key, first token id) -> indexed blocks: the candidates for a partial hit
+        self.children: dict[tuple[tuple[int, int] | None, int], set[int]] = {}
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0    # of those, served from it
 
@@ -166,6 +175,12 @@ class BlockPool:
         if block.block_hash is not None:
             if self.index.entries.get(block.block_hash) == block.block_id:
                 del self.index.entries[block.block_hash]
+            key = (block.parent, block.token_ids[0])
+            kids = self.children.get(key)
+            if kids is not None:
+                kids.discard(block.block_id)
+                if not kids:
+                    del self.children[key]
             block.block_hash = None
             block.token_ids = None
             block.parent = None
@@ -199,6 +214,28 @@ class BlockPool:
             parent = (b, block.gen)
         cursor.num_blocks, cursor.parent = len(hits), parent
         return hits
+
+    def find_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                     cursor: ChainCursor) -> tuple[int, int] | None:
+        """After `num_hit_blocks` full-block hits: (donor block id, m) where the donor, an
+        indexed child of the last hit, holds the query's next m ids in its first m slots; None
+        if no m >= 1. Still capped so the last token is computed."""
+        if not self.enable_prefix_cache:
+            return None
+        start = num_hit_blocks * self.block_size
+        limit = min(self.block_size, len(token_ids) - 1 - start)
+        if limit < 1:
+            return None
+        query = token_ids[start:start + limit]
+        best: tuple[int, int] | None = None
+        for b in self.children.get((cursor.parent, query[0]), ()):
+            ids = self.blocks[b].token_ids
+            m = 0
+            while m < limit and ids[m] == query[m]:
+                m += 1
+            if best is None or m > best[1] or (m == best[1] and b < best[0]):
+                best = (b, m)
+        return best
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Metrics: one admission looked up num_query_tokens and was served num_hit_tokens."""
@@ -239,6 +276,7 @@ class BlockPool:
                 return
             block.block_hash, block.token_ids, block.parent = h, ids, parent
             self.index.entries[h] = block.block_id
+            self.children.setdefault((parent, ids[0]), set()).add(block.block_id)
             parent = (block.block_id, block.gen)
             cursor.num_blocks, cursor.parent = i + 1, parent
 

@@ -81,8 +81,22 @@ class Runner:
                              logits_indices=long(logits_idx))
         return batch, sample_at, pl_plan
 
+    def copy_slots(self, copies: list[tuple[int, int, int]]) -> None:
+        """Partial prefix hits: the first m slots of block src -> block dst (K, V, hidden)."""
+        bs = self.block_size
+        src = torch.tensor([s * bs + j for s, _, m in copies for j in range(m)],
+                           device=self.device)                                 # [C]
+        dst = torch.tensor([d * bs + j for _, d, m in copies for j in range(m)],
+                           device=self.device)
+        for cache in (*self.kv.k, *self.kv.v):
+            flat = cache.view(-1, *cache.shape[2:])                             # [NB*bs, kvh, hd]
+            flat[dst] = flat[src]
+        self.kv.hidden[dst] = self.kv.hidden[src]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        if out.copies:
+            self.copy_slots(out.copies)
         batch, sample_at, pl_plan = self.build_batch(out)
         results = [StepResult() for _ in out.scheduled]
         hidden = self.model.forward(batch, self.kv)                        # [N, H]

@@ -8,7 +8,9 @@ Policy, decided once:
     prefill share the per-step token budget (max_num_batched_tokens). Then waiting sequences are
     admitted FCFS while budget, max_num_seqs and free blocks allow; a prefill larger than the
     remaining budget is chunked.
-  * Admission: prefix-cache lookup (capped at len-1 tokens), then blocks for the scheduled chunk
+  * Admission: prefix-cache lookup (capped at len-1 tokens) -- full blocks, then a partial
+    block (kv_cache.find_partial: the donor's first m slots are copied into the sequence's fresh
+    block by the runner, the donor pinned for the step) -- then blocks for the scheduled chunk
     only. When the head of the queue does not fit, admission is held (no skipping ahead, so no
     starvation) until blocks free up.
   * Pool full while growing a running sequence: preempt the newest running sequence (free its
@@ -44,6 +46,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence] = field(default_factory=list)
+    # partial-block hits: copy the first m slots of block src into block dst before the forward
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)  # donors, referenced until release_pins
 
     @property
     def num_tokens(self) -> int:
@@ -60,13 +65,15 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: Seq[int] = ()):
+                 max_model_len: int, eos_token_ids: Seq[int] = (),
+                 enable_partial_reuse: bool = True):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_partial_reuse = enable_partial_reuse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -160,13 +167,21 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             hits = self.pool.lookup(seq.token_ids, seq.block_hashes, seq.cursor)
-            num_cached = len(hits) * self.block_size
+            partial = None
+            if self.enable_partial_reuse:
+                partial = self.pool.find_partial(seq.token_ids, len(hits), seq.cursor)
+            num_cached = len(hits) * self.block_size + (partial[1] if partial else 0)
             n = min(seq.num_tokens - num_cached, budget)
             need = -(-(num_cached + n) // self.block_size) - len(hits)
-            if not self.pool.can_allocate(need, hits):
+            pins = hits + [partial[0]] if partial else hits
+            if not self.pool.can_allocate(need, pins):
                 break  # hold admission until blocks free up
-            self.pool.touch(hits)
-            seq.block_table = hits + self.pool.allocate(need)
+            self.pool.touch(pins)
+            fresh = self.pool.allocate(need)
+            if partial:
+                out.copies.append((partial[0], fresh[0], partial[1]))
+                out.pinned.append(partial[0])
+            seq.block_table = hits + fresh
             seq.num_computed_tokens = num_cached
             self.pool.record_query(seq.num_tokens, num_cached)
             if not seq.admitted:
@@ -178,6 +193,12 @@ class Scheduler:
             out.scheduled.append(self._make(seq, n))
             budget -= n
         return out
+
+    def release_pins(self, out: SchedulerOutput) -> None:
+        """After the runner copied the partial blocks (or failed): drop the donors' references."""
+        if out.pinned:
+            self.pool.free(out.pinned)
+            out.pinned = []
 
     # -- applying ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, results: Seq[StepResult]) -> list[Sequence]:

@@ -87,30 +87,35 @@ def assert_lp_close(a, b, tol=1e-4):
         assert abs(x - y) <= tol
 
 
-def test_prefix_hit_equals_cold(make_engine, tok, prefix_ids):
+@pytest.mark.parametrize("partial", [True, False], ids=["partial-block", "full-blocks"])
+def test_prefix_hit_equals_cold(make_engine, tok, prefix_ids, partial):
     a = prefix_ids + tok.encode(" Review: It works.\nSentiment:", add_special_tokens=False)
     b = prefix_ids + tok.encode(" Review: Terrible fit, sent it back.\nSentiment:",
                                 add_special_tokens=False)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the 200 + " Review:"
+    assert 200 < shared < 208 < len(a)  # a's block 12 is full, so it is indexed
     params = greedy(max_tokens=6, logprobs=20, prompt_logprobs=5)
     cold = make_engine(enable_prefix_cache=False).generate([b], params)[0]
-    warm_engine = make_engine()
+    warm_engine = make_engine(enable_partial_block_reuse=partial)
     first = warm_engine.generate([a], params)[0]
     assert first.num_cached_tokens == 0
     warm = warm_engine.generate([b], params)[0]
-    assert warm.num_cached_tokens == 192 == (200 // 16) * 16
+    # full blocks only: the shared full-block length; with the partial block: every shared token
+    expected = shared if partial else (shared // 16) * 16
+    assert warm.num_cached_tokens == expected
     assert cold.num_cached_tokens == 0
     assert warm.new_token_ids == cold.new_token_ids
     assert warm.new_text == cold.new_text
     for x, y in zip(warm.logprobs, cold.logprobs, strict=True):
         assert_lp_close(x, y)
-    # prompt logprobs: positions 1..191 come from the cached hidden states, no recompute
+    # prompt logprobs: the cached positions come from the cached hidden states, no recompute
     assert warm.prompt_logprobs[0] is None and cold.prompt_logprobs[0] is None
     assert len(warm.prompt_logprobs) == len(b)
     for x, y in zip(warm.prompt_logprobs[1:], cold.prompt_logprobs[1:], strict=True):
         assert_lp_close(x, y)
         assert x.rank == y.rank
     st = warm_engine.stats()
-    assert st["prefix_hits"] == 192 and st["prefix_queries"] == len(a) + len(b)
+    assert st["prefix_hits"] == expected and st["prefix_queries"] == len(a) + len(b)
 
 
 def test_prompt_logprobs_match_a_direct_forward(make_engine, loaded, tok, prefix_ids):

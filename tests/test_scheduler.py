@@ -35,8 +35,10 @@ class FakeRunner:
             if item.sample:
                 res.token_id = next_token(seq.token_ids[:end])
                 res.logprob = TokenLogprob(res.token_id, -1.0, 1)
-            res.prompt_logprobs = [TokenLogprob(seq.token_ids[q + 1], -float(q), 1)
-                                   for q in range(item.pl_start, item.pl_end)]
+            res.prompt_logprobs = [
+                TokenLogprob(seq.token_ids[q + 1], -float(q), 1)
+                for q in range(item.pl_start, item.pl_end)
+            ]
             results.append(res)
         return results
 
@@ -57,8 +59,14 @@ def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, cache=True
 def new_seq(rid, prompt, detok=False, **kw):
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    return Sequence(str(rid), prompt, SamplingParams(**kw), seed=0, sink=lambda o: None,
-                    detokenizer=CharDetok() if detok else None)
+    return Sequence(
+        str(rid),
+        prompt,
+        SamplingParams(**kw),
+        seed=0,
+        sink=lambda o: None,
+        detokenizer=CharDetok() if detok else None,
+    )
 
 
 def run_all(sched, runner, max_steps=10_000):
@@ -70,7 +78,9 @@ def run_all(sched, runner, max_steps=10_000):
         assert out.scheduled, "no progress: deadlock"
         assert out.num_tokens <= sched.max_num_batched_tokens
         assert len(out.scheduled) <= sched.max_num_seqs
-        for seq in sched.update(out, runner(out)):
+        results = runner(out)
+        sched.release_pins(out)
+        for seq in sched.update(out, results):
             seq.take_output()
             if seq.is_finished:
                 finished.append(seq)
@@ -81,7 +91,7 @@ def expected_output(prompt, n):
     ctx = list(prompt)
     for _ in range(n):
         ctx.append(next_token(ctx))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 def test_chunked_prefill_then_decode():
@@ -89,8 +99,13 @@ def test_chunked_prefill_then_decode():
     seq = new_seq(1, list(range(1, 81)), max_tokens=3)
     sched.add(seq)
     run_all(sched, runner)
-    assert runner.steps == [[("1", 0, 32)], [("1", 32, 32)], [("1", 64, 16)],
-                            [("1", 80, 1)], [("1", 81, 1)]]
+    assert runner.steps == [
+        [("1", 0, 32)],
+        [("1", 32, 32)],
+        [("1", 64, 16)],
+        [("1", 80, 1)],
+        [("1", 81, 1)],
+    ]
     assert seq.output_ids == expected_output(range(1, 81), 3)
     assert seq.finish_reason == "length"
     assert sched.pool.num_free_blocks == 64
@@ -129,20 +144,52 @@ def test_prefix_hit_usage_and_prompt_logprob_ranges():
     assert sched.pool.num_query_tokens == 42 + 43 and sched.pool.num_hit_tokens == 32
 
 
+def test_partial_block_hit_copies_and_pins_the_donor():
+    sched, runner = make(), FakeRunner()
+    shared = list(range(1, 41))  # 2 full blocks + 8 ids
+    a = new_seq("a", shared + list(range(60, 70)), max_tokens=1)  # block 2 full: indexed
+    sched.add(a)
+    run_all(sched, runner)
+    b = new_seq("b", shared + [90, 91, 92], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    item = out.scheduled[0]
+    assert (item.start, item.num_new_tokens) == (40, 3)  # 32 from full blocks + 8 copied
+    (src, dst, m), = out.copies
+    assert m == 8 and dst == b.block_table[2] and out.pinned == [src]
+    assert sched.pool.ref_count(src) == 1  # pinned for the step only
+    results = runner(out)
+    sched.release_pins(out)
+    assert sched.pool.ref_count(src) == 0
+    sched.update(out, results)
+    assert b.num_cached_tokens == 40 and b.output_ids == expected_output(b.token_ids[:43], 1)
+    assert sched.pool.num_hit_tokens == 40
+    off, runner = make(), FakeRunner()
+    off.enable_partial_reuse = False
+    off.add(new_seq("a", shared + list(range(60, 70)), max_tokens=1))
+    run_all(off, runner)
+    off.add(new_seq("b", shared + [90, 91, 92], max_tokens=1))
+    out = off.schedule()
+    assert out.copies == [] and out.scheduled[0].start == 32
+
+
 def test_preemption_recomputes_and_never_drops():
     # 12 blocks for 6 sequences that each grow to 4 blocks: preemption is unavoidable
-    sched, runner = make(num_blocks=12, max_num_seqs=6, budget=64, max_model_len=12 * BS), \
-        FakeRunner()
+    sched, runner = (
+        make(num_blocks=12, max_num_seqs=6, budget=64, max_model_len=12 * BS),
+        FakeRunner(),
+    )
     rng = random.Random(0)
-    seqs = [new_seq(i, [rng.randrange(1, 90) for _ in range(20 + i)], max_tokens=30)
-            for i in range(6)]
+    seqs = [
+        new_seq(i, [rng.randrange(1, 90) for _ in range(20 + i)], max_tokens=30) for i in range(6)
+    ]
     for s in seqs:
         sched.add(s)
     finished = run_all(sched, runner)
     assert len(finished) == 6
     assert sched.num_preemptions > 0
     for s in seqs:
-        assert s.output_ids == expected_output(s.token_ids[:s.num_prompt_tokens], 30)
+        assert s.output_ids == expected_output(s.token_ids[: s.num_prompt_tokens], 30)
         assert s.finish_reason == "length"
     assert sched.pool.num_free_blocks == 12
 
@@ -219,14 +266,17 @@ def test_stop_strings_cut_held_back_and_included():
 def test_many_random_requests_match_one_at_a_time(cache):
     rng = random.Random(1)
     prefix = [rng.randrange(1, 90) for _ in range(50)]
-    prompts = [prefix[:rng.randrange(0, 50)] + [rng.randrange(1, 90) for _ in range(
-        rng.randrange(1, 40))] for _ in range(24)]
+    prompts = [
+        prefix[: rng.randrange(0, 50)] + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 40))]
+        for _ in range(24)
+    ]
     sched, runner = make(num_blocks=24, max_num_seqs=6, budget=48, cache=cache), FakeRunner()
     seqs = [new_seq(i, p, max_tokens=rng.randrange(1, 20)) for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     run_all(sched, runner)
     for s in seqs:
-        assert s.output_ids == expected_output(s.token_ids[:s.num_prompt_tokens],
-                                               s.params.max_tokens)
+        assert s.output_ids == expected_output(
+            s.token_ids[: s.num_prompt_tokens], s.params.max_tokens
+        )
     assert sched.pool.num_free_blocks == 24

@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Engine benchmark through the Python API (no HTTP): the classify and decode workloads, with the
+prefix cache on and off. Prints progress to stderr, a table, then one JSON line.
+
+classify: a shared ~170-token few-shot instruction prefix + a unique ~25-token review +
+          "Sentiment:", max_tokens 1, temperature 0, logprobs 2; 200 requests, 8 in flight.
+decode:   16 distinct short prompts, 8 in flight, 128 greedy tokens each (ignore_eos), plus the
+          single-stream baseline (1 in flight) on the first --single-prompts of them.
+
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_engine.py [--device cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when OpenMP starts
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.engine import Engine  # noqa: E402
+from freetoken.loader import load_model  # noqa: E402
+from freetoken.sampling_params import SamplingParams  # noqa: E402
+
+PREFIX = (
+    "You are a careful assistant. Classify the sentiment of each product review as Positive or "
+    "Negative. Answer with one word.\n\n"
+    "Review: The blender broke after two days and the seller never answered my emails.\n"
+    "Sentiment: Negative\n\n"
+    "Review: Absolutely love this jacket, it is warm, light and the zipper feels solid.\n"
+    "Sentiment: Positive\n\n"
+    "Review: The headphones sound muddy and the left ear stopped working within a week.\n"
+    "Sentiment: Negative\n\n"
+    "Review: Great value for the price; my kids use this tablet every day without issues.\n"
+    "Sentiment: Positive\n\n"
+    "Review: Shipping took a month and the box arrived crushed with pieces missing inside.\n"
+    "Sentiment: Negative\n\n"
+    "Review: This coffee maker is quiet, fast and the coffee tastes better than the cafe.\n"
+    "Sentiment: Positive\n\n"
+)
+
+_PRODUCTS = ["vacuum", "laptop stand", "rain coat", "desk lamp", "kettle", "phone case",
+             "backpack", "air fryer", "keyboard", "water bottle", "monitor", "tent"]
+_GOOD = ["works perfectly", "exceeded my expectations", "feels premium", "was easy to set up",
+         "is worth every penny", "arrived early and well packed"]
+_BAD = ["stopped working", "feels cheap and flimsy", "smells like burnt plastic",
+        "was missing parts", "is far too loud", "broke on the first use"]
+_TAIL = ["I would recommend it to friends.", "I am returning it tomorrow.",
+         "My partner noticed the difference immediately.", "Customer service was polite.",
+         "The instructions were confusing though.", "Not sure I would buy it again."]
+
+
+def reviews(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        verdict = rng.choice(_GOOD if i % 2 else _BAD)
+        out.append(f"The {rng.choice(_PRODUCTS)} I bought in week {i} {verdict} after "
+                   f"{rng.randint(2, 30)} days. {rng.choice(_TAIL)}")
+    return out
+
+
+DECODE_PROMPTS = [
+    "Write a story about a dragon.", "Explain how a bicycle works.", "List facts about Mars.",
+    "Describe your ideal breakfast.", "What is the history of Rome?", "How do magnets work?",
+    "Tell me about the ocean.", "Give advice to a new programmer.", "Why is the sky blue?",
+    "Describe a walk in the forest.", "How does a compiler work?", "Write a letter to a friend.",
+    "What makes a good teacher?", "Explain photosynthesis simply.", "Plan a trip to Japan.",
+    "Describe the life of a bee.",
+]
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_concurrent(engine: Engine, prompts, params, in_flight: int, label: str):
+    """Submit through the asyncio API with at most `in_flight` requests outstanding."""
+    outs: list = [None] * len(prompts)
+    step = max(1, len(prompts) // 10)
+
+    async def main():
+        nxt = iter(range(len(prompts)))
+        done = [0]
+
+        async def worker():
+            for i in nxt:
+                toks, cached = [], 0
+                async for out in engine.submit(prompts[i], params):
+                    toks += out.new_token_ids
+                    cached = out.num_cached_tokens
+                outs[i] = (toks, cached)
+                done[0] += 1
+                if done[0] % step == 0:
+                    progress(f"  {label}: {done[0]}/{len(prompts)}")
+
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    return outs, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-classify", type=int, default=200)
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--num-decode", type=int, default=16)
+    ap.add_argument("--single-prompts", type=int, default=2,
+                    help="prompts run one at a time for the single-stream baseline")
+    ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--workload", choices=["all", "classify", "decode"], default="all")
+    ap.add_argument("--cache", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--quick", action="store_true", help="40 classify, 32 decode tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_classify, args.decode_tokens = 40, 32
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+    cfg0 = EngineConfig(device=args.device, dtype=args.dtype)
+    progress(f"loading model on {args.device} ({cfg0.torch_dtype}) ...")
+    loaded = load_model(args.model, dtype=cfg0.torch_dtype, device=args.device, progress=False)
+    tok = loaded.tokenizer
+    from freetoken import ops
+    results: dict = {"device": args.device, "dtype": str(cfg0.torch_dtype).removeprefix("torch."),
+                     "ops_backend": ops.backend_for(args.device),
+                     "threads": torch.get_num_threads()}
+    rows = []
+    classify_prompts = [tok.encode(PREFIX + f"Review: {r}\nSentiment:")
+                        for r in reviews(args.num_classify)]
+    shared = len(os.path.commonprefix([tuple(p) for p in classify_prompts[:50]]))
+    results["classify_prompt_tokens_mean"] = sum(map(len, classify_prompts)) / len(
+        classify_prompts)
+    results["classify_shared_prefix_tokens"] = shared
+    decode_prompts = [tok.encode(p) for p in DECODE_PROMPTS[:args.num_decode]]
+    caches = {"both": [True, False], "on": [True], "off": [False]}[args.cache]
+
+    for cache in caches:
+        tag = "on" if cache else "off"
+        engine = Engine(EngineConfig(num_kv_blocks=args.num_kv_blocks, device=args.device,
+                                     dtype=args.dtype, enable_prefix_cache=cache,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     max_num_seqs=max(args.in_flight, 8)), loaded).start()
+        # warm-up: one short request (allocator, kernels), outside the timings
+        engine.generate([decode_prompts[0]], SamplingParams(max_tokens=2, temperature=0))
+        if args.workload in ("all", "classify"):
+            progress(f"classify, prefix cache {tag}: {len(classify_prompts)} requests, "
+                     f"{args.in_flight} in flight")
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)
+            outs, wall = run_concurrent(engine, classify_prompts, params, args.in_flight,
+                                        f"classify/{tag}")
+            n_prompt = sum(map(len, classify_prompts))
+            cached = sum(c for _, c in outs)
+            r = {"requests_per_s": len(outs) / wall, "prompt_tokens_per_s": n_prompt / wall,
+                 "wall_s": wall, "cached_tokens_frac": cached / n_prompt,
+                 "labels": sorted({tok.decode(t) for t, _ in outs})[:4]}
+            results[f"classify_cache_{tag}"] = r
+            rows.append((f"classify cache {tag}", r["requests_per_s"], r["prompt_tokens_per_s"],
+                         wall, f"cached {100 * r['cached_tokens_frac']:.0f}% of prompt tokens"))
+        if args.workload in ("all", "decode"):
+            params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0,
+                                    ignore_eos=True)
+            progress(f"decode, prefix cache {tag}: {len(decode_prompts)} prompts x "
+                     f"{args.decode_tokens} tokens, {args.in_flight} in flight")
+            outs, wall = run_concurrent(engine, decode_prompts, params, args.in_flight,
+                                        f"decode/{tag}")
+            n_out = sum(len(t) for t, _ in outs)
+            r = {"requests_per_s": len(outs) / wall, "tokens_per_s": n_out / wall,
+                 "wall_s": wall}
+            single_prompts = decode_prompts[:args.single_prompts]
+            progress(f"decode single stream, cache {tag}: {len(single_prompts)} prompts")
+            souts, swall = run_concurrent(engine, single_prompts, params, 1, f"single/{tag}")
+            r["single_stream_tokens_per_s"] = sum(len(t) for t, _ in souts) / swall
+            r["speedup_vs_single"] = r["tokens_per_s"] / r["single_stream_tokens_per_s"]
+            results[f"decode_cache_{tag}"] = r
+            rows.append((f"decode x{args.in_flight} cache {tag}", r["requests_per_s"],
+                         r["tokens_per_s"], wall,
+                         f"single {r['single_stream_tokens_per_s']:.1f} tok/s, "
+                         f"{r['speedup_vs_single']:.2f}x"))
+        results[f"engine_stats_cache_{tag}"] = {k: v for k, v in engine.stats().items()
+                                                if k != "finish_reasons"}
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+    if "classify_cache_on" in results and "classify_cache_off" in results:
+        results["classify_speedup_cache_on_vs_off"] = (
+            results["classify_cache_on"]["requests_per_s"]
+            / results["classify_cache_off"]["requests_per_s"])
+    print(f"\n{'workload':<24}{'req/s':>10}{'tok/s':>12}{'wall s':>9}  notes")
+    for name, rps, tps, wall, note in rows:
+        print(f"{name:<24}{rps:>10.2f}{tps:>12.1f}{wall:>9.1f}  {note}")
+    if "classify_speedup_cache_on_vs_off" in results:
+        print(f"classify speedup, cache on vs off: "
+              f"{results['classify_speedup_cache_on_vs_off']:.2f}x "
+              f"(shared prefix {shared} tokens of {results['classify_prompt_tokens_mean']:.0f})")
+    print(json.dumps(results, default=float))
+
+
+if __name__ == "__main__":
+    main()
