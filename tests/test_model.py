@@ -204,3 +204,29 @@ def test_cuda_bf16_matches_cpu(tiny_checkpoint):
         out.append(loaded.model.compute_logits(loaded.model.forward(batch, kv)).cpu())
     assert (out[0].argmax(-1) == out[1].argmax(-1)).all()
     torch.testing.assert_close(out[1], out[0], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("arch, overrides", [("mistral", {"sliding_window": 8}), ("qwen3", {})])
+def test_tiny_chunked_and_decode_match_transformers(tiny_checkpoint, arch, overrides):
+    """Teacher-forced: a 13-token chunk, a 9-token chunk, then 6 single-token decode steps
+    (two sequences batched) give transformers' logits at every step, sliding window included."""
+    from freetoken.loader import load_model
+
+    path, hf_model = tiny_checkpoint(arch, **overrides)
+    loaded = load_model(path, load_tokenizer=False, progress=False)
+    seqs = [list(range(3, 31)), list(range(40, 68))[::-1]]  # 28 tokens each
+    with torch.no_grad():
+        refs = [hf_model(torch.tensor([s])).logits[0].float() for s in seqs]
+    kv = loaded.model.make_kv_cache(16, 4)
+    tables = [[1, 3, 5, 7, 9, 11, 13], [0, 2, 4, 6, 8, 10, 12]]
+    steps = [(0, 13), (13, 22)] + [(p, p + 1) for p in range(22, 28)]
+    for start, end in steps:
+        batch = build_forward_batch(
+            [(s[start:end], start, t) for s, t in zip(seqs, tables)], 4, all_logits=True
+        )
+        logits = loaded.model.compute_logits(loaded.model.forward(batch, kv))
+        n = end - start
+        for i, ref in enumerate(refs):
+            torch.testing.assert_close(
+                logits[i * n : (i + 1) * n], ref[start:end], atol=1e-4, rtol=0
+            )
