@@ -282,18 +282,26 @@ class Tokenizer:
     # ---- chat --------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """The conversation rendered with the model's own template, as transformers renders it.
-        The text already holds every special token the template writes (BOS included): encode
-        it with `add_special_tokens=False` (or call `encode_chat`)."""
+        """The conversation rendered with the model's own template (or `chat_template`), as
+        transformers renders it; extra keywords (`tools`, `enable_thinking`, ...) reach the
+        template. The text already holds every special token the template writes (BOS
+        included): encode it with `add_special_tokens=False` (or call `encode_chat`)."""
         kwargs.setdefault("bos_token", self.bos_token)
         kwargs.setdefault("eos_token", self.eos_token)
         for name, tid in (("pad_token", self.pad_token_id), ("unk_token", self.unk_token_id)):
             if tid is not None:
                 kwargs.setdefault(name, self._hf.id_to_token(tid))
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kwargs
+            chat_template or self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
         )
 
     def encode_chat(

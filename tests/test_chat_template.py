@@ -186,3 +186,161 @@ def test_attribute_escape_message_is_clear():
 def test_syntax_error_names_the_line():
     with pytest.raises(BadChatTemplate, match="does not compile.*line 2"):
         render_chat_template("ok\n{% for %}", [])
+
+
+# Templates in the shapes real checkpoints ship (Llama 3.1 tools + date, Qwen2.5 tool calls,
+# Mistral role alternation, Gemma's system refusal), rendered by us and by transformers.
+LLAMA3_LIKE = """{{- bos_token }}
+{%- set date_string = strftime_now("%d %b %Y") %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none %}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
+        + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+QWEN25_LIKE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}
+    {%- else %}{{- 'You are Qwen.' }}{%- endif %}
+    {{- "\\n\\n# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls | default([]) %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}
+            {{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+{{- '' if ns.last_user >= 0 else raise_exception('no user') }}
+"""
+
+MISTRAL_LIKE = """{{ bos_token }}{% for message in messages %}
+{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{% endif %}
+{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}
+{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}
+{% endif %}{% endfor %}"""
+
+GEMMA_LIKE = """{{ bos_token }}{% if messages[0]['role'] == 'system' %}
+{{ raise_exception('System role not supported') }}{% endif %}
+{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant'
+else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim
++ '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}
+{% endif %}"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather «now»",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CHAT = [
+    {"role": "system", "content": "  Be brief.  "},
+    {"role": "user", "content": "Weather in Paris? <b>é</b>"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": "18°C"},
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "18°C and sunny."},
+    {"role": "user", "content": "Thanks!"},
+]
+ALTERNATING = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "user", "content": " c "},
+]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("template", "messages", "tools"),
+    [
+        (LLAMA3_LIKE, TOOL_CHAT[:2], TOOLS),
+        (LLAMA3_LIKE, ALTERNATING, None),
+        (QWEN25_LIKE, TOOL_CHAT, TOOLS),
+        (QWEN25_LIKE, ALTERNATING, None),
+        (MISTRAL_LIKE, ALTERNATING, None),
+        (GEMMA_LIKE, ALTERNATING, None),
+    ],
+    ids=["llama3-tools", "llama3", "qwen25-tools", "qwen25", "mistral", "gemma"],
+)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_real_world_template_shapes_match_transformers(
+    tok, hf_tok, template, messages, tools, add_generation_prompt
+):
+    kw = dict(add_generation_prompt=add_generation_prompt, chat_template=template)
+    if tools is not None:
+        kw["tools"] = tools
+    ours = tok.apply_chat_template(messages, **kw)
+    assert ours == hf_tok.apply_chat_template(messages, tokenize=False, **kw)
+    assert tok.encode_chat(messages, **kw) == hf_tok.apply_chat_template(
+        messages, tokenize=True, return_dict=False, **kw
+    )
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("template", "messages", "match"),
+    [
+        (MISTRAL_LIKE, ALTERNATING[1:], "roles must alternate"),
+        (GEMMA_LIKE, TOOL_CHAT, "System role not supported"),
+    ],
+)
+def test_real_world_template_refusals(tok, hf_tok, template, messages, match):
+    with pytest.raises(ChatTemplateError, match=match):
+        tok.apply_chat_template(messages, chat_template=template)
+    with pytest.raises(Exception, match=match):
+        hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False)
