@@ -38,7 +38,9 @@ def bench(args) -> dict:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=dtype, device=args.device, load_tokenizer=False)
+    loaded = load_model(
+        args.model, dtype=dtype, device=args.device, load_tokenizer=args.with_tokenizer
+    )
     load_s = time.perf_counter() - t0
     rss_after_load_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model, cfg = loaded.model, loaded.config
@@ -120,6 +122,7 @@ def bench(args) -> dict:
         "threads": _t.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "load_s": round(load_s, 2),
+        "load_includes_tokenizer": args.with_tokenizer,
         "rss_after_load_mb": round(rss_after_load_mb),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "prompt_len": args.prompt_len,
@@ -157,6 +160,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--with-tokenizer", action="store_true", help="include the tokenizer in the load (as serve)"
+    )
     p.add_argument(
         "--compare-wait-policy",
         action="store_true",
