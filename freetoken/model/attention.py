@@ -78,8 +78,9 @@ def build_attention_metadata(
 
     decode_idx = decode_slots = decode_mask = None
     if decode_seqs:
-        seq_lens = torch.tensor([batch.seq_lens[s] for s in decode_seqs], device=device)  # [Sd]
-        max_len = int(seq_lens.max())
+        lens = [batch.seq_lens[s] for s in decode_seqs]
+        seq_lens = torch.tensor(lens, device=device)  # [Sd]
+        max_len = max(lens)  # from the host list: no device sync
         decode_slots = _context_slots(block_tables[decode_seqs], max_len, block_size)  # [Sd, Ld]
         k_pos = torch.arange(max_len, device=device)[None, :]  # [1, Ld]
         valid = k_pos < seq_lens[:, None]  # [Sd, Ld]
