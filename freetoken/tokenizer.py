@@ -465,7 +465,7 @@ def _gguf_byte_level(
     spell = {b: c for c, b in alphabet.items()}
     vocab: dict[str, int] = {}
     for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not all(c in alphabet for c in t):
+        if ty not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not alphabet.keys() >= set(t):
             t = "".join(spell[b] for b in t.encode("utf-8"))  # a raw-text piece: respell it
         vocab.setdefault(t, i)
     pairs = [tuple(m.split(" ", 1)) for m in merges]

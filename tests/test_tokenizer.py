@@ -523,6 +523,34 @@ def test_hf_dir_matches_transformers(tmp_path):
     assert ours.encode_chat(msgs).count(0) == 1  # the template's BOS only
 
 
+def test_hf_dir_in_smollm2_shape_equals_the_gguf(tmp_path, tok, reference_tok):
+    # SmolLM2's own HF files: the tokenizer.json shape (Digits + ByteLevel, no BOS) with the
+    # GGUF's template; both constructors must then give one tokenizer.
+    reference_tok.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": tok.chat_template,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf_dir = Tokenizer.from_hf_dir(tmp_path)
+    for attr in [
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+        "add_bos_token",
+        "all_special_ids",
+        "byte_level",
+        "chat_template",
+    ]:
+        assert getattr(hf_dir, attr) == getattr(tok, attr), attr
+    assert hf_dir.encode_batch(STRINGS) == tok.encode_batch(STRINGS)
+    msgs = [{"role": "user", "content": "Hi 42"}]
+    assert hf_dir.encode_chat(msgs) == tok.encode_chat(msgs)
+
+
 def test_hf_dir_needs_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
