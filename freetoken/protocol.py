@@ -283,6 +283,13 @@ def normalize_prompt(
             raise InvalidRequest(
                 f"{where}: the text yields no tokens and cannot be evaluated", param=where
             )
+        for i, t in enumerate(ids):  # an added token beyond the model's vocabulary
+            if not 0 <= t < vocab_size:
+                raise InvalidRequest(
+                    f"{where}: the text tokenizes to id {t} at position {i}, outside the "
+                    f"vocabulary (0..{vocab_size - 1})",
+                    param=where,
+                )
         return Prompt(list(ids), text)
 
     def id_list(ids: list, where: str) -> Prompt:
