@@ -590,11 +590,9 @@ def render_chat(
     ]
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja2 TemplateError / raise_exception from the template
-        if type(exc).__module__.startswith("jinja2") or isinstance(exc, (ValueError, TypeError)):
-            raise InvalidRequest(
-                f"messages: the chat template refused them: {exc}", param="messages"
-            ) from None
+    except InvalidRequest as exc:  # chat_template.ChatTemplateError: the template refused them
+        if exc.param is None:
+            exc.param = "messages"
         raise
     ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
