@@ -710,6 +710,16 @@ def test_stop_string(srv):
     assert kept["text"] == full[: full.index(" 7") + 2]
 
 
+def test_scoring_requests_use_the_prefix_cache(srv):
+    ids = list(range(2000, 2070))
+    body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}
+    cold, warm = srv.complete(body), srv.complete(body)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    a, b = cold["choices"][0]["logprobs"], warm["choices"][0]["logprobs"]
+    assert a["tokens"] == b["tokens"] and same_logprobs(a, b)
+
+
 def test_prefix_cache_cached_tokens(srv):
     ids = list(range(1000, 1100))
     srv.complete({"prompt": ids, "max_tokens": 1, "temperature": 0})
