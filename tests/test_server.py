@@ -465,6 +465,8 @@ def test_echo_logprobs_equal_engine_prompt_logprobs(srv):
         offsets = lp["text_offset"]
         assert offsets == sorted(offsets) and offsets[0] == 0
         assert offsets[-1] == len(choice["text"]) - len(r.new_text)
+        for off, tok in zip(offsets, lp["tokens"]):  # real offsets: each token's text is there
+            assert choice["text"][off:].startswith(tok), (off, tok, choice["text"])
 
 
 def test_echo_max_tokens_0_scores_prompt_only(srv):
