@@ -21,7 +21,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from freetoken.batch import KVCache
@@ -186,7 +187,8 @@ class Engine:
                     sink: Callable[[RequestOutput], None]) -> None:
         """Thread-safe: validate and queue; `sink` is called on the engine thread per delta."""
         if not self.is_alive():
-            raise EngineDead(f"The engine loop is not running{': ' + self._dead if self._dead else ''}.")
+            why = f": {self._dead}" if self._dead else ""
+            raise EngineDead(f"The engine loop is not running{why}.")
         prompt_ids = self._validate(prompt_ids, params)
         with self._lock:
             if request_id in self._live:
@@ -288,13 +290,7 @@ class Engine:
                 break
             if not self.scheduler.has_work():
                 continue
-            try:
-                self._step()
-            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-                logger.exception("engine step failed; failing the requests in flight")
-                self.totals["step_errors_total"] += 1
-                for seq in self.scheduler.abort_all("error", f"{type(exc).__name__}: {exc}"):
-                    self._post(seq)
+            self._step()
         for seq in self.scheduler.abort_all("abort"):
             self._post(seq)
         self._drain_inbox(block=False, reject=True)
@@ -323,16 +319,37 @@ class Engine:
                 return
 
     def _step(self) -> None:
-        out = self.scheduler.schedule()
+        """One step. NOTE: an exception fails only the sequences of this step (finish_reason
+        "error", KV freed); the waiting ones and the loop carry on. A failure in schedule()
+        itself is a bug in the scheduler's state: everything in flight is failed then."""
+        try:
+            out = self.scheduler.schedule()
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("schedule() failed; failing every request in flight")
+            self.totals["step_errors_total"] += 1
+            for seq in self.scheduler.abort_all("error", f"{type(exc).__name__}: {exc}"):
+                self._post(seq)
+            return
         if not out.scheduled:
             time.sleep(0.001)  # NOTE: unreachable while a lone sequence always fits the pool
             return
         try:
-            results = self.runner.execute(out)
-        finally:
-            self.scheduler.release_pins(out)
+            try:
+                results = self.runner.execute(out)
+            finally:
+                self.scheduler.release_pins(out)
+            posts = self.scheduler.update(out, results)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            self.totals["step_errors_total"] += 1
+            seqs = [item.seq for item in out.scheduled]
+            self.scheduler.fail(seqs, f"{type(exc).__name__}: {exc}")
+            for seq in seqs:  # failed now, or finished by update() before it raised
+                if seq.is_finished:
+                    self._post(seq)
+            return
         self.totals["steps_total"] += 1
-        for seq in self.scheduler.update(out, results):
+        for seq in posts:
             self._post(seq)
 
     def _post(self, seq: Sequence) -> None:

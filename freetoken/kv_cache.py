@@ -243,7 +243,8 @@ class BlockPool:
         self.num_hit_tokens += num_hit_tokens
 
     def cache_blocks(self, block_table: Sequence[int], token_ids: Sequence[int],
-                     block_hashes: list[int], cursor: ChainCursor, num_computed_tokens: int) -> None:
+                     block_hashes: list[int], cursor: ChainCursor,
+                     num_computed_tokens: int) -> None:
         """Index the sequence's full blocks whose K/V is computed (up to num_computed_tokens).
 
         A block equal to an existing entry (same ids, same parent) is left unindexed and the

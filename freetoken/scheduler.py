@@ -7,7 +7,9 @@ Policy, decided once:
   * Running sequences first, oldest first: decodes (1 token) and the next chunk of a chunked
     prefill share the per-step token budget (max_num_batched_tokens). Then waiting sequences are
     admitted FCFS while budget, max_num_seqs and free blocks allow; a prefill larger than the
-    remaining budget is chunked.
+    remaining budget is chunked. A waiting sequence whose next full block is being computed by
+    a running prefill steps aside (it keeps its place) until that block is indexed, so
+    prompts that arrive together and share a prefix compute it once.
   * Admission: prefix-cache lookup (capped at len-1 tokens) -- full blocks, then a partial
     block (kv_cache.find_partial: the donor's first m slots are copied into the sequence's fresh
     block by the runner, the donor pinned for the step) -- then blocks for the scheduled chunk
@@ -110,6 +112,21 @@ class Scheduler:
         self.waiting.clear()
         return out
 
+    def fail(self, seqs: Seq[Sequence], error: str) -> list[Sequence]:
+        """Finish these sequences with "error" and free their KV (a step failed on them)."""
+        out = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            self._release(seq)
+            seq.finish("error", error=error)
+            out.append(seq)
+        return out
+
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.free(seq.block_table)
@@ -132,6 +149,14 @@ class Scheduler:
             if item.pl_end < item.pl_start:
                 item.pl_end = item.pl_start
         return item
+
+    def _inflight_hashes(self) -> set[int]:
+        """Hashes of the full prompt blocks that running prefills have yet to compute."""
+        out: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                out.update(seq.block_hashes[seq.num_computed_tokens // self.block_size:])
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -163,10 +188,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while (self.waiting and budget > 0 and not out.preempted
+        inflight = self._inflight_hashes() if self.pool.enable_prefix_cache else set()
+        i = skipped = 0
+        while (i < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             hits = self.pool.lookup(seq.token_ids, seq.block_hashes, seq.cursor)
+            if (len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in inflight
+                    and skipped < self.max_num_seqs):
+                # NOTE: its next full block is being computed by a running prefill (or one
+                # admitted just now): wait for it to be indexed rather than compute it twice.
+                # This is how a batch of prompts sharing a prefix runs the prefix once.
+                i += 1
+                skipped += 1
+                continue
             partial = None
             if self.enable_partial_reuse:
                 partial = self.pool.find_partial(seq.token_ids, len(hits), seq.cursor)
@@ -187,9 +222,10 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = num_cached
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            inflight.update(seq.block_hashes[len(hits):])
             out.scheduled.append(self._make(seq, n))
             budget -= n
         return out

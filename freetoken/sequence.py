@@ -8,7 +8,8 @@ happened since the last call into a RequestOutput delta.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from freetoken.kv_cache import ChainCursor

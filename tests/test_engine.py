@@ -314,3 +314,24 @@ def test_eos_min_tokens_and_validation(make_engine, loaded, tok):
         eng.add_request([1] * 10, greedy(max_tokens=eng.limits.max_model_len), "x", print)
     with pytest.raises(InvalidRequest):
         eng.add_request([1], greedy(logprobs=21), "x", print)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine, tok):
+    eng = make_engine()
+    real = eng.runner.execute
+    calls = []
+
+    def flaky(out):
+        calls.append(len(out.scheduled))
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(out)
+
+    eng.runner.execute = flaky
+    p = tok.encode("Hello there")
+    bad = eng.generate([p], greedy(max_tokens=3))[0]
+    assert bad.finished and bad.finish_reason == "error" and "injected" in bad.error
+    good = eng.generate([p], greedy(max_tokens=3))[0]
+    assert good.finish_reason == "length" and len(good.new_token_ids) == 3
+    st = eng.stats()
+    assert st["step_errors_total"] == 1 and st["kv_blocks_used"] == 0 and eng.is_alive()

@@ -173,6 +173,29 @@ def test_partial_block_hit_copies_and_pins_the_donor():
     assert out.copies == [] and out.scheduled[0].start == 32
 
 
+def test_prompts_arriving_together_compute_a_shared_prefix_once():
+    sched, runner = make(budget=512), FakeRunner()
+    shared = list(range(1, 50))  # 3 full blocks + 1
+    seqs = [new_seq(i, shared + [60 + i] * 5, max_tokens=1) for i in range(4)]
+    other = new_seq("x", [7] * 20, max_tokens=1)
+    for s in seqs + [other]:
+        sched.add(s)
+    out = sched.schedule()
+    # the first computes the prefix; the others step aside, an unrelated prompt goes ahead
+    assert [s.seq.request_id for s in out.scheduled] == ["0", "x"]
+    results = runner(out)
+    sched.release_pins(out)
+    sched.update(out, results)
+    out = sched.schedule()
+    # 3 full blocks from the cache (the 4th block of "0" is not full, so not indexed)
+    assert [(s.seq.request_id, s.start) for s in out.scheduled] == [("1", 48), ("2", 48),
+                                                                    ("3", 48)]
+    run_all(sched, runner)
+    assert [s.num_cached_tokens for s in seqs] == [0, 48, 48, 48]
+    for s in seqs:
+        assert s.output_ids == expected_output(s.token_ids[:54], 1)
+
+
 def test_preemption_recomputes_and_never_drops():
     # 12 blocks for 6 sequences that each grow to 4 blocks: preemption is unavoidable
     sched, runner = (
