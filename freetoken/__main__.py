@@ -155,8 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = Path(args.model) if args.model else default_model_path()
     name = args.served_model_name or path.name.removesuffix(".gguf")
-    loaded = load_model(path, dtype=config.torch_dtype, device=config.device)
-    engine = Engine(config, loaded)
+    if not path.exists():
+        print(f"freetoken: --model {path}: no such file or directory", file=sys.stderr)
+        return 2
+    try:
+        loaded = load_model(path, dtype=config.torch_dtype, device=config.device)
+        engine = Engine(config, loaded)
+    except (ValueError, RuntimeError, OSError) as exc:  # a bad file, device or budget
+        print(f"freetoken: cannot serve {path}: {exc}", file=sys.stderr)
+        return 2
     engine.start()
     try:
         from freetoken import ops
