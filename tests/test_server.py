@@ -681,6 +681,25 @@ def test_overloaded_is_503_with_retry_after(srv, patched_submit):
     assert e["type"] == "overloaded" and r.headers["retry-after"] == "2"
 
 
+def test_concurrent_requests_equal_alone(srv):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Item {i}: the colour of the sea is" for i in range(6)]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = [srv.complete({**body, "prompt": p})["choices"][0]["text"] for p in prompts]
+
+    def one(i: int) -> str:
+        p = prompts[i % len(prompts)]
+        if i % 2:
+            chunks = sse(srv, "/v1/completions", {**body, "prompt": p})
+            return "".join(c["choices"][0]["text"] for c in chunks)
+        return srv.complete({**body, "prompt": p})["choices"][0]["text"]
+
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(one, range(12)))
+    assert together == [alone[i % len(prompts)] for i in range(12)]
+
+
 # ---- sampling fields ------------------------------------------------------------------------
 
 
