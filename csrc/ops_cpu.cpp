@@ -1,13 +1,17 @@
 // CPU topk_logprobs: argument checks, per-row planning (gather / dense bitmask / dense), the
 // parallel loop over (row, chunk) tasks, the merge, and the runtime ISA choice.
-#include <ATen/Parallel.h>
+#include <ATen/Parallel.h>  // at::get_num_threads: the pool follows torch.set_num_threads
 #include <torch/extension.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ops.h"
@@ -78,6 +82,77 @@ struct Scratch {
 };
 thread_local Scratch tls;
 
+
+// A tiny pool with dynamic task claiming. Unlike an OpenMP region (a static split, then a join
+// of every thread), the caller starts on the tasks at once and waits only for tasks a helper has
+// actually claimed: a helper that wakes late (PASSIVE wait policy, or a core busy with another
+// process on these shared machines) finds the work done and costs nothing. After a fork the
+// child has no helpers and simply runs everything itself.
+class TaskPool {
+ public:
+  static TaskPool& get() {
+    static TaskPool* pool = new TaskPool();  // never destroyed: helpers are detached
+    return *pool;
+  }
+
+  void run(int64_t n, int nthreads, const std::function<void(int64_t)>& fn) {
+    std::unique_lock<std::mutex> lk(mu_);
+    while ((int)helpers_ < nthreads - 1) {
+      std::thread(&TaskPool::helper, this).detach();
+      ++helpers_;
+    }
+    fn_ = &fn;
+    n_ = n;
+    next_ = 0;
+    joined_ = 0;
+    max_join_ = nthreads - 1;
+    ++gen_;
+    lk.unlock();
+    cv_work_.notify_all();
+    lk.lock();
+    drain(lk);
+    cv_done_.wait(lk, [&] { return busy_ == 0; });
+    fn_ = nullptr;
+    n_ = 0;
+  }
+
+ private:
+  void drain(std::unique_lock<std::mutex>& lk) {
+    while (next_ < n_) {
+      const int64_t t = next_++;
+      ++busy_;
+      const auto* fn = fn_;
+      lk.unlock();
+      try {
+        (*fn)(t);
+      } catch (...) {  // tasks report through their results; never let one kill a thread
+      }
+      lk.lock();
+      if (--busy_ == 0 && next_ >= n_) cv_done_.notify_all();
+    }
+  }
+
+  void helper() {
+    std::unique_lock<std::mutex> lk(mu_);
+    uint64_t seen = gen_;
+    while (true) {
+      cv_work_.wait(lk, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (joined_ >= max_join_) continue;
+      ++joined_;
+      drain(lk);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, next_ = 0;
+  int busy_ = 0, joined_ = 0, max_join_ = 0;
+  unsigned helpers_ = 0;
+  uint64_t gen_ = 0;
+};
+
 enum class Mode { kDense, kMasked, kGather };
 
 struct Task {
@@ -116,14 +191,18 @@ void run_task(const IsaKernels& isa, const Task& t, const char* base, int64_t ro
 
   if (t.mode == Mode::kGather) {
     for (int32_t j = bb; j < be; ++j) s.bias[bias.ids[j]] += bias.values[j];
+    const bool has_bias = be > bb;
+    const int esz = dtype == kF32 ? 4 : 2;
     int64_t n = 0;
     for (int32_t j = ab; j < ae; ++j) {
+      if (j + 16 < ae) __builtin_prefetch((const char*)row + (int64_t)allowed.ids[j + 16] * esz);
       const int32_t id = allowed.ids[j];
       uint64_t& w = s.bits[id >> 6];
       const uint64_t bit = uint64_t(1) << (id & 63);
       if (w & bit) continue;  // a duplicate counts once
       w |= bit;
-      s.gvals[n] = load_one(row, dtype, id) + s.bias[id];
+      const float v = load_one(row, dtype, id);
+      s.gvals[n] = has_bias ? v + s.bias[id] : v;
       s.gids[n] = id;
       ++n;
     }
@@ -245,12 +324,21 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   }
 
   // Plan: a short allowed list is gathered (one task); a dense row (no mask, or a set of
-  // >= V/16 ids, kept as a bitmask) is cut into chunks when there are too few rows for the
-  // threads. Chunk bounds are multiples of kBlock.
+  // >= V/16 ids, kept as a bitmask) is cut into chunks when there are too few rows to keep
+  // the threads busy. Chunk bounds are multiples of kBlock.
   const int nthreads = at::get_num_threads();
+  int64_t work = 0;  // in streamed-element units; a gathered element costs several
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t n = allowed.end(r) - allowed.begin(r);
+    work += (n > 0 && n * 16 < V) ? 8 * n : V;
+  }
+  // Below ~200k elements (~50 us on one core) a helper's wake-up (tens of us under the PASSIVE
+  // wait policy on a busy machine) eats the gain, so small steps stay on the caller's thread.
+  // Chunks cost top-k insertions (each restarts the list), so rows are cut only when parallel.
+  const bool parallel = nthreads > 1 && work >= 200000;
   int64_t chunks = 1;
-  if (nthreads > 1 && B < 4 * nthreads) {
-    chunks = (4 * nthreads + B - 1) / B;
+  if (parallel && B < 4 * nthreads) {
+    chunks = (8 * nthreads + B - 1) / B;
     const int64_t max_chunks = std::max<int64_t>(1, V / (16 * kBlock));
     chunks = std::min(chunks, max_chunks);
   }
@@ -259,19 +347,16 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   std::vector<Task> tasks;
   std::vector<int64_t> row_task(B + 1);
   tasks.reserve(B * chunks);
-  int64_t work = 0;
   for (int64_t r = 0; r < B; ++r) {
     row_task[r] = (int64_t)tasks.size();
     const int64_t n = allowed.end(r) - allowed.begin(r);
     if (n > 0 && n * 16 < V) {
       tasks.push_back(Task{r, 0, V, Mode::kGather});
-      work += 4 * n;  // a gathered element costs about four dense ones
       continue;
     }
     const Mode mode = n > 0 ? Mode::kMasked : Mode::kDense;
     for (int64_t lo = 0; lo < V; lo += per_chunk)
       tasks.push_back(Task{r, lo, std::min(V, lo + per_chunk), mode});
-    work += V;
   }
   row_task[B] = (int64_t)tasks.size();
 
@@ -280,12 +365,14 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   const char* base = (const char*)logits.data_ptr();
   const int64_t row_bytes = V * logits.element_size();
   const int64_t ntasks = (int64_t)tasks.size();
-  // Below ~32k elements of work, waking a second thread costs more than it saves.
-  const int64_t grain = work < 32768 ? std::max<int64_t>(ntasks, 1) : 1;
-  at::parallel_for(0, ntasks, grain, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      run_task(isa, tasks[t], base, row_bytes, dtype, V, (int32_t)k, allowed, bias, &parts[t]);
-  });
+  auto one = [&](int64_t t) {
+    run_task(isa, tasks[t], base, row_bytes, dtype, V, (int32_t)k, allowed, bias, &parts[t]);
+  };
+  if (parallel && ntasks > 1) {
+    TaskPool::get().run(ntasks, nthreads, std::function<void(int64_t)>(one));
+  } else {
+    for (int64_t t = 0; t < ntasks; ++t) one(t);
+  }
 
   auto ids = at::empty({B, k}, logits.options().dtype(at::kLong));
   auto lps = at::empty({B, k}, logits.options().dtype(at::kFloat));
