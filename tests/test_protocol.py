@@ -539,4 +539,19 @@ def test_openapi_schemas_are_the_models():
     assert comp["additionalProperties"] is False
     assert {"prompt", "allowed_token_ids", "logprobs", "echo"} <= set(comp["properties"])
     assert "prompt" in comp["required"]
+    refs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                refs.append(node["$ref"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(doc)
+    assert refs and all(r.startswith("#/components/schemas/") for r in refs)
+    assert all(r.rsplit("/", 1)[1] in doc["components"]["schemas"] for r in refs)
     assert not math.isnan(len(doc["paths"]))
