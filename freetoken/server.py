@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -246,10 +247,14 @@ class _Handlers:
         self._check_model(parsed.model)
         jobs = await self._start(parsed, rid, chat)
         if parsed.stream:
+            unfinished = {erid for _, erid, _, _ in jobs}
+            # NOTE: a client gone before the body starts never runs the generator's `finally`;
+            # the background task (run by starlette after a disconnect too) aborts for it.
             return StreamingResponse(
-                self._stream(request, parsed, rid, jobs, chat, t0),
+                self._stream(request, parsed, rid, jobs, chat, t0, unfinished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(self._abort, unfinished),
             )
         return await self._collect(request, parsed, rid, jobs, chat, t0)
 
@@ -289,11 +294,15 @@ class _Handlers:
         choices = [protocol.completion_choice(idx, frag) for (idx, *_), frag in zip(jobs, merged)]
         return JSONResponse(protocol.completion_response(rid, model, choices, usage))
 
-    async def _stream(self, request, parsed, rid, jobs, chat, t0):
+    def _abort(self, erids: set[str]) -> None:
+        for erid in list(erids):
+            self.engine.abort(erid)
+        erids.clear()
+
+    async def _stream(self, request, parsed, rid, jobs, chat, t0, unfinished: set[str]):
         created = int(time.time())
         model = self.model_name
         queue: asyncio.Queue = asyncio.Queue()
-        unfinished = {erid for _, erid, _, _ in jobs}
 
         async def pump(index, erid, stream, state):
             try:
@@ -302,10 +311,10 @@ class _Handlers:
                     await queue.put((index, state.feed(out), None))
                     if out.finished:
                         unfinished.discard(erid)
-            except BaseException as exc:  # noqa: BLE001 -- forwarded to the SSE loop
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- forwarded to the SSE loop
                 await queue.put((index, None, exc))
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
                 return
             await queue.put((index, None, None))
 
@@ -354,8 +363,7 @@ class _Handlers:
         finally:
             for t in tasks:
                 t.cancel()
-            for erid in unfinished:
-                self.engine.abort(erid)
+            self._abort(unfinished)
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ---------------------------------------------------------------------
