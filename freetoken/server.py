@@ -21,7 +21,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -83,6 +83,8 @@ class _Edge:
         try:
             self._check_auth(scope)
             await self.app(scope, receive, _send)
+        except ClientDisconnect:  # gone while we read its body: nothing was submitted
+            info["status"] = 499
         except FreeTokenError as exc:  # raised here (auth) or escaped from a streaming body
             self.metrics.errors.labels(exc.type).inc()
             if not info["started"]:

@@ -617,7 +617,7 @@ def test_disconnect_aborts(srv, stream):
                         break
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.url + "/v1/completions", json=body, timeout=1.0)
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
         _wait_aborted(engine, seen)
     finally:
         engine.abort = orig
