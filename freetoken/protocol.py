@@ -447,7 +447,7 @@ def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
     bias = _logit_bias(req.logit_bias, vocab_size)
     if bias:
         kw["logit_bias"] = bias
-    return {k: v for k, v in kw.items() if k in _SP_FIELDS}
+    return kw  # NOTE: no filtering: a field SamplingParams lacks must fail loudly, never vanish
 
 
 def _check_context(prompts: list[Prompt], max_tokens: int, max_model_len: int) -> None:
