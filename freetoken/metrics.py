@@ -63,6 +63,8 @@ _ENGINE_COUNTERS = {
         "freetoken_prefix_cache_hits",
         "Prompt tokens served by the prefix cache",
     ),
+    "num_preemptions": ("freetoken_preemptions", "Sequences preempted for KV space"),
+    "step_errors_total": ("freetoken_engine_step_errors", "Engine steps that raised"),
 }
 
 
