@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
         py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none());
+  m.def("check_compact", &freetoken::check_compact_cpu,
+        "validate (offsets, ids[, values]) for B rows and V ids: '' or the error message",
+        py::arg("offsets"), py::arg("ids"), py::arg("values"), py::arg("B"), py::arg("V"));
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
   m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");

@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -273,6 +274,61 @@ void check_compact(const c10::optional<at::Tensor>& offsets, const c10::optional
 }
 
 }  // namespace
+
+std::string check_compact_cpu(const at::Tensor& offsets, const at::Tensor& ids,
+                             const c10::optional<at::Tensor>& values, int64_t B, int64_t V) {
+  // The same checks and words as freetoken/ops.py's Python validator (tests hold them equal).
+  TORCH_CHECK(offsets.device().is_cpu() && ids.device().is_cpu() &&
+                  offsets.scalar_type() == at::kInt && ids.scalar_type() == at::kInt &&
+                  offsets.is_contiguous() && ids.is_contiguous(),
+              "check_compact: contiguous int32 CPU tensors only");
+  std::ostringstream msg;
+  if (offsets.dim() != 1 || offsets.size(0) != B + 1) {
+    msg << "offsets must have B+1 = " << B + 1 << " entries, got " << offsets.numel();
+    return msg.str();
+  }
+  if (ids.dim() != 1) return "ids must be 1-D";
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  const int64_t n = ids.size(0);
+  if (off[0] != 0 || off[B] != n) {
+    msg << "offsets must run from 0 to len(ids) = " << n << ", got " << off[0] << ".." << off[B];
+    return msg.str();
+  }
+  for (int64_t r = 0; r < B; ++r) {
+    if (off[r + 1] < off[r]) {
+      msg << "offsets must not decrease (row " << r << ": " << off[r] << " > " << off[r + 1]
+          << ")";
+      return msg.str();
+    }
+  }
+  const int32_t* p = ids.data_ptr<int32_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] < 0 || p[j] >= V) {
+      int64_t row = 0;
+      while (off[row + 1] <= j) ++row;
+      msg << "ids[" << j << "] = " << p[j] << " (row " << row
+          << ") is outside the vocabulary (0.." << V - 1 << ")";
+      return msg.str();
+    }
+  }
+  if (values.has_value()) {
+    TORCH_CHECK(values->device().is_cpu() && values->scalar_type() == at::kFloat &&
+                    values->is_contiguous(),
+                "check_compact: values must be contiguous fp32 on the CPU");
+    if (values->dim() != 1 || values->size(0) != n) {
+      msg << "values must match ids, got " << values->numel() << " for " << n;
+      return msg.str();
+    }
+    const float* v = values->data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) {
+      if (!std::isfinite(v[j])) {
+        msg << "values[" << j << "] is not finite";
+        return msg.str();
+      }
+    }
+  }
+  return "";
+}
 
 std::string cpu_isa() { return current_isa().name; }
 void set_cpu_isa(const std::string& name) { current_isa() = pick_isa(name); }

@@ -35,6 +35,11 @@ std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
                                            const c10::optional<at::Tensor>& bias_values);
 #endif
 
+// Validates one compact per-row list (contiguous int32 CPU tensors): "" when fine, else the
+// message freetoken/ops.py raises as ValueError.
+std::string check_compact_cpu(const at::Tensor& offsets, const at::Tensor& ids,
+                              const c10::optional<at::Tensor>& values, int64_t B, int64_t V);
+
 std::string cpu_isa();
 void set_cpu_isa(const std::string& name);
 

@@ -97,54 +97,68 @@ def _check_logits(fn: str, logits: torch.Tensor) -> None:
         raise ValueError(f"{fn}: the vocabulary is empty")
 
 
-def _check_compact(what: str, comp, B: int, V: int, device: torch.device, with_values: bool):
-    """Validates one compact per-row list; returns its tensors as int32/fp32 on `device`."""
+def _as(t, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device \
+            and t.is_contiguous():
+        return t
+    t = torch.as_tensor(t, device=device)
+    if dtype != torch.float32 and t.dtype.is_floating_point:
+        raise ValueError("offsets and ids must be integer tensors")
+    return t.to(dtype).contiguous()
+
+
+def _check_compact(what: str, comp, B: int, V: int, device: torch.device, with_values: bool,
+                   use_ext: bool = True):
+    """Validates one compact per-row list; returns its tensors as int32/fp32 on `device`.
+
+    On the CPU with the extension the checks run in one C++ call (freetoken._C.check_compact);
+    _check_compact_py is the same checks, word for word, for the twin and for GPU tensors."""
     if comp is None:
         return None
     n_parts = 3 if with_values else 2
     if not isinstance(comp, (tuple, list)) or len(comp) != n_parts:
         raise ValueError(f"{what} must be a tuple of {n_parts} tensors "
                          f"(offsets, ids{', values' if with_values else ''})")
-    offsets = torch.as_tensor(comp[0], device=device)
-    ids = torch.as_tensor(comp[1], device=device)
-    if offsets.dtype.is_floating_point or ids.dtype.is_floating_point:
-        raise ValueError(f"{what}: offsets and ids must be integer tensors")
-    offsets = offsets.to(torch.int32).contiguous()
-    ids = ids.to(torch.int32).contiguous()
+    try:
+        offsets = _as(comp[0], torch.int32, device)
+        ids = _as(comp[1], torch.int32, device)
+        values = _as(comp[2], torch.float32, device) if with_values else None
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if use_ext and _C is not None and device.type == "cpu":
+        msg = _C.check_compact(offsets, ids, values, B, V)
+    else:
+        msg = _check_compact_py(offsets, ids, values, B, V)
+    if msg:
+        raise ValueError(f"{what}: {msg}")
+    return (offsets, ids, values) if with_values else (offsets, ids)
+
+
+def _check_compact_py(offsets, ids, values, B: int, V: int) -> str:
     if offsets.dim() != 1 or offsets.shape[0] != B + 1:
-        raise ValueError(f"{what}: offsets must have B+1 = {B + 1} entries, "
-                         f"got shape {tuple(offsets.shape)}")
+        return f"offsets must have B+1 = {B + 1} entries, got {offsets.numel()}"
     if ids.dim() != 1:
-        raise ValueError(f"{what}: ids must be 1-D, got shape {tuple(ids.shape)}")
+        return "ids must be 1-D"
     n = ids.shape[0]
     off = offsets.tolist()
     if off[0] != 0 or off[-1] != n:
-        raise ValueError(f"{what}: offsets must run from 0 to len(ids) = {n}, "
-                         f"got {off[0]}..{off[-1]}")
+        return f"offsets must run from 0 to len(ids) = {n}, got {off[0]}..{off[-1]}"
     for r in range(B):
         if off[r + 1] < off[r]:
-            raise ValueError(f"{what}: offsets must not decrease (row {r}: "
-                             f"{off[r]} > {off[r + 1]})")
+            return f"offsets must not decrease (row {r}: {off[r]} > {off[r + 1]})"
     if n:
         lo, hi = torch.aminmax(ids)
         if int(lo) < 0 or int(hi) >= V:
             bad = int(((ids < 0) | (ids >= V)).nonzero()[0, 0])
             row = next(r for r in range(B) if off[r] <= bad < off[r + 1])
-            raise ValueError(f"{what}: ids[{bad}] = {int(ids[bad])} (row {row}) is outside the "
-                             f"vocabulary (0..{V - 1})")
-    if not with_values:
-        return offsets, ids
-    values = torch.as_tensor(comp[2], device=device)
-    if not values.dtype.is_floating_point:
-        values = values.to(torch.float32)
-    values = values.to(torch.float32).contiguous()
-    if values.shape != ids.shape:
-        raise ValueError(f"{what}: values must match ids, got {tuple(values.shape)} "
-                         f"for {tuple(ids.shape)}")
-    if n and not bool(torch.isfinite(values).all()):
-        bad = int((~torch.isfinite(values)).nonzero()[0, 0])
-        raise ValueError(f"{what}: values[{bad}] = {float(values[bad])} is not finite")
-    return offsets, ids, values
+            return (f"ids[{bad}] = {int(ids[bad])} (row {row}) is outside the "
+                    f"vocabulary (0..{V - 1})")
+    if values is not None:
+        if values.dim() != 1 or values.shape[0] != n:
+            return f"values must match ids, got {values.numel()} for {n}"
+        if n and not bool(torch.isfinite(values).all()):
+            return f"values[{int((~torch.isfinite(values)).nonzero()[0, 0])}] is not finite"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ against the obvious unfused torch code and this machine's read bandwidth, interl
     python scripts/bench_kernel.py --quick    # K = 20 only, fewer repeats
     python scripts/bench_kernel.py --device cuda   # on a GPU: fused vs unfused, CUDA events
 
-Per shape, each repeat runs, in rotating order: fused with 2 threads, fused with 1 thread, the
+Per shape, each repeat runs, in rotating order (each sample averages enough calls to fill ~2 ms,
+after one untimed call at the new thread count): fused with 2 threads, fused with 1 thread, the
 unfused code with 2 threads (mask fill + log_softmax + topk), and a read-only pass over the same
 logits (torch.amax, 2 threads) as the bandwidth yardstick. Prints a table, then one JSON line.
 """
@@ -49,10 +50,17 @@ def unfused(logits, k, lists):
 
 
 def timed(fn, threads: int) -> float:
+    """Seconds per call: one untimed call after switching the thread count (the switch itself
+    wakes or resizes pools), then enough calls to fill ~2 ms, averaged."""
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    once = time.perf_counter() - t0
+    inner = max(1, min(200, int(2e-3 / max(once, 1e-7))))
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
 
 
 def bench_cpu(args) -> list[dict]:

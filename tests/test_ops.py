@@ -280,7 +280,7 @@ def test_noncontiguous_and_batch_of_zero():
     (dict(allowed=compact([[1], [300]])), r"ids\[1\] = 300 \(row 1\) is outside"),
     (dict(allowed=compact([[1], [-2]])), "outside the vocabulary"),
     (dict(allowed=(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))),
-     "B\\+1 = 3"),
+     "B\\+1 = 3 entries, got 2"),
     (dict(allowed=(torch.tensor([0, 2, 1], dtype=torch.int32),
                    torch.tensor([1], dtype=torch.int32))), "must not decrease"),
     (dict(allowed=(torch.tensor([0, 1, 3], dtype=torch.int32),
@@ -288,12 +288,28 @@ def test_noncontiguous_and_batch_of_zero():
     (dict(logit_bias=compact_bias([[(1, float("nan"))], []])), "not finite"),
     (dict(logit_bias=compact_bias([[(1, 1.0)], [(999, 1.0)]])), "outside the vocabulary"),
 ])
-def test_validation_errors(bad, match):
+@pytest.mark.parametrize("use_ext", [True, False] if HAS_EXT else [False])
+def test_validation_errors(bad, match, use_ext, monkeypatch):
     x = randn(2, 300)
     kw = dict(k=3)
     kw.update(bad)
-    with pytest.raises(ValueError, match=match):
+    real = ops._check_compact
+    if not use_ext:  # the Python validator (twin, GPU tensors) must say the same words
+        monkeypatch.setattr(ops, "_check_compact",
+                            lambda *a, **k: real(*a, **k, use_ext=False))
+    with pytest.raises(ValueError, match=match) as err:
         ops.topk_logprobs(x, **kw)
+    if HAS_EXT and "k must" not in match:
+        B, V = x.shape
+        comp = bad.get("allowed") or bad.get("logit_bias")
+        what = "allowed" if "allowed" in bad else "logit_bias"
+        msgs = []
+        for flag in (True, False):
+            try:
+                real(what, comp, B, V, x.device, what == "logit_bias", use_ext=flag)
+            except ValueError as exc:
+                msgs.append(str(exc))
+        assert len(msgs) == 2 and msgs[0] == msgs[1] == str(err.value)
 
 
 def test_validation_dtype():
