@@ -59,67 +59,84 @@ constexpr float kLog2e = 1.44269504088896341f;
                       SET(9.618437357674640e-3f)), F, SET(5.550332471162809e-2f)), F,   \
               SET(2.402264791363012e-1f)), F, SET(6.931472028550421e-1f)), F, SET(1.0f))
 
-FT_INLINE float sum_exp(const float* src, int64_t nv, float m) {
+// exp(x - m) per lane (the method above).
+FT_INLINE vf exp_shifted(vf x, vf m) {
 #if FT_ISA_LEVEL >= 2
-  const __m512 c = _mm512_set1_ps(kLog2e), mv = _mm512_set1_ps(m);
-  const __m512 lo = _mm512_set1_ps(-126.0f);
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  auto one = [&](__m512 x) {
-    __m512 t = _mm512_max_ps(lo, _mm512_mul_ps(_mm512_sub_ps(x, mv), c));  // max(lo, NaN) = NaN
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = FT_EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps);
-    return _mm512_scalef_ps(p, n);
-  };
-  int64_t i = 0;
-  for (; i + 32 <= nv; i += 32) {
-    s0 = _mm512_add_ps(s0, one(_mm512_loadu_ps(src + i)));
-    s1 = _mm512_add_ps(s1, one(_mm512_loadu_ps(src + i + 16)));
-  }
-  for (; i < nv; i += 16) s0 = _mm512_add_ps(s0, one(_mm512_loadu_ps(src + i)));
-  return hsum((vf)_mm512_add_ps(s0, s1));
+  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f),  // max(lo, NaN) = NaN
+                                 _mm512_mul_ps(_mm512_sub_ps((__m512)x, (__m512)m),
+                                               _mm512_set1_ps(kLog2e)));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  const __m512 p = FT_EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps);
+  return (vf)_mm512_scalef_ps(p, n);
 #elif FT_ISA_LEVEL == 1
-  const __m256 c = _mm256_set1_ps(kLog2e), mv = _mm256_set1_ps(m);
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  auto one = [&](__m256 x) {
-    __m256 t = _mm256_max_ps(lo, _mm256_mul_ps(_mm256_sub_ps(x, mv), c));
-    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = FT_EXP2_POLY(f, _mm256_fmadd_ps, _mm256_set1_ps);
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                   _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  };
-  int64_t i = 0;
-  for (; i + 16 <= nv; i += 16) {
-    s0 = _mm256_add_ps(s0, one(_mm256_loadu_ps(src + i)));
-    s1 = _mm256_add_ps(s1, one(_mm256_loadu_ps(src + i + 8)));
-  }
-  for (; i < nv; i += 8) s0 = _mm256_add_ps(s0, one(_mm256_loadu_ps(src + i)));
-  return hsum((vf)_mm256_add_ps(s0, s1));
+  const __m256 t = _mm256_max_ps(_mm256_set1_ps(-126.0f),
+                                 _mm256_mul_ps(_mm256_sub_ps((__m256)x, (__m256)m),
+                                               _mm256_set1_ps(kLog2e)));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  const __m256 p = FT_EXP2_POLY(f, _mm256_fmadd_ps, _mm256_set1_ps);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return (vf)_mm256_mul_ps(p, _mm256_castsi256_ps(e));
 #else
-  const vf c = splat(kLog2e), mv = splat(m);
-  vf s0 = splat(0.0f), s1 = s0;
-  auto one = [&](vf x) {
-    vf t = (x - mv) * c;
-    t = (t < -126.0f) ? splat(-126.0f) : t;  // NaN stays NaN
-    vf n = (t + 12582912.0f) - 12582912.0f;
-    vf f = t - n;
+  vf t = (x - m) * kLog2e;
+  t = (t < -126.0f) ? splat(-126.0f) : t;  // NaN stays NaN
+  const vf n = (t + 12582912.0f) - 12582912.0f;
+  const vf f = t - n;
 #define FT_VFMA(a, b, d) ((a) * (b) + (d))
-    vf p = FT_EXP2_POLY(f, FT_VFMA, splat);
+  const vf p = FT_EXP2_POLY(f, FT_VFMA, splat);
 #undef FT_VFMA
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
-  };
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)e;
+#endif
+}
+
+FT_INLINE vf vmax(vf a, vf b) { return b > a ? b : a; }  // a NaN b is ignored
+
+// One pass over nv values (a multiple of L) read by load(i): s = sum exp(x - ref), bm = max x.
+template <typename Load>
+FT_INLINE void sum_and_max(const Load& load, int64_t nv, float ref, float& s, float& bm) {
+  const vf mv = splat(ref);
+  vf s0 = splat(0.0f), s1 = s0, m0 = splat(kNegInf), m1 = m0;
   int64_t i = 0;
   for (; i + 2 * L <= nv; i += 2 * L) {
-    s0 += one(loadu(src + i));
-    s1 += one(loadu(src + i + L));
+    const vf x0 = load(i), x1 = load(i + L);
+    m0 = vmax(m0, x0);
+    m1 = vmax(m1, x1);
+    s0 += exp_shifted(x0, mv);
+    s1 += exp_shifted(x1, mv);
   }
-  for (; i < nv; i += L) s0 += one(loadu(src + i));
+  for (; i < nv; i += L) {
+    const vf x0 = load(i);
+    m0 = vmax(m0, x0);
+    s0 += exp_shifted(x0, mv);
+  }
+  s = hsum(s0 + s1);
+  bm = hmax(vmax(m0, m1));
+}
+template <typename Load>
+FT_INLINE float max_only(const Load& load, int64_t nv) {
+  vf m0 = splat(kNegInf), m1 = m0;
+  int64_t i = 0;
+  for (; i + 2 * L <= nv; i += 2 * L) {
+    m0 = vmax(m0, load(i));
+    m1 = vmax(m1, load(i + L));
+  }
+  for (; i < nv; i += L) m0 = vmax(m0, load(i));
+  return hmax(vmax(m0, m1));
+}
+template <typename Load>
+FT_INLINE float sum_only(const Load& load, int64_t nv, float ref) {
+  const vf mv = splat(ref);
+  vf s0 = splat(0.0f), s1 = s0;
+  int64_t i = 0;
+  for (; i + 2 * L <= nv; i += 2 * L) {
+    s0 += exp_shifted(load(i), mv);
+    s1 += exp_shifted(load(i + L), mv);
+  }
+  for (; i < nv; i += L) s0 += exp_shifted(load(i), mv);
   return hsum(s0 + s1);
-#endif
 }
 
 // Lanes of v strictly greater than thr (ge: or equal), as an L-bit mask.
@@ -219,67 +236,88 @@ struct Acc {
   int32_t flags = 0;
 };
 
-// One block: src holds nv values (a multiple of 16, padded with -inf), of which n are real.
-// ids == nullptr: the id of src[i] is base + i (increasing, so an equal value never displaces);
+// One block of nv values (a multiple of L, padded with -inf) of which n are real, read by
+// load(i) -- or from src when src != nullptr (then load(i) == loadu(src + i)).
+// ids == nullptr: the id of value i is base + i (increasing, so an equal value never displaces);
 // otherwise ids[i], in any order (so equal values must be compared by id: ge = true).
 // allowed == nullptr: every real value is in the set; otherwise a per-element membership test
-// is needed only while the top-k list is not yet full (disallowed values are -inf in src).
-FT_INLINE void block(const float* src, int64_t n, int64_t nv, int64_t base, const int32_t* ids,
-                     const uint64_t* allowed, int32_t k, Partial* P, Acc& acc) {
-  vf m0 = splat(kNegInf), m1 = m0;
-  int64_t i = 0;
-  for (; i + 2 * L <= nv; i += 2 * L) {
-    vf a = loadu(src + i), b = loadu(src + i + L);
-    m0 = a > m0 ? a : m0;
-    m1 = b > m1 ? b : m1;
+// is needed only while the top-k list is not yet full (disallowed values are -inf).
+//
+// The running max acc.m is the reference of the block's exp pass, which also takes the block
+// max: one pass. Only when the block's max exceeds the reference by > 64 (fp32 could overflow)
+// is the sum redone against the block max; with no reference yet, max first, then sum.
+template <typename Load>
+FT_INLINE void block(const Load& load, const float* src, float* buf, int64_t n, int64_t nv,
+                     int64_t base, const int32_t* ids, const uint64_t* allowed, int32_t k,
+                     Partial* P, Acc& acc) {
+  float s = 0.0f, bm, ref;
+  if (acc.m == __builtin_inff()) {  // already an error
+    acc.flags |= kFlagPosInf;
+    return;
   }
-  for (; i < nv; i += L) {
-    vf a = loadu(src + i);
-    m0 = a > m0 ? a : m0;
+  if (acc.m != kNegInf) {
+    ref = acc.m;
+    sum_and_max(load, nv, ref, s, bm);
+    if (bm > ref + 64.0f) {
+      ref = bm;
+      s = sum_only(load, nv, ref);
+    }
+  } else {
+    bm = max_only(load, nv);
+    ref = bm;
+    if (bm != kNegInf && bm != __builtin_inff()) s = sum_only(load, nv, ref);
   }
-  m0 = m1 > m0 ? m1 : m0;
-  const float bm = hmax(m0);
 
   if (k > 0) {
-    int64_t j0 = 0;  // elements before j0 are already offered
-    if (P->cnt < k) {
-      // fill the list one by one (checking membership), then go on with the vector filter
-      for (; j0 < n && P->cnt < k; ++j0) {
-        const int64_t id = ids ? ids[j0] : base + j0;
-        if (allowed && !((allowed[id >> 6] >> (id & 63)) & 1)) continue;
-        insert(P, k, src[j0], (int32_t)id);
+    const bool fill = P->cnt < k;
+    if (fill || bm > P->vals[k - 1] || (ids && bm == P->vals[k - 1])) {
+      if (!src) {
+        for (int64_t j = 0; j < nv; j += L) storeu(buf + j, load(j));
+        src = buf;
       }
-    }
-    if (j0 < n && (bm > P->vals[k - 1] || (ids && bm == P->vals[k - 1]))) {
-      const bool ge = ids != nullptr;
-      for (int64_t j = j0 & ~int64_t(L - 1); j < nv; j += L) {
-        uint32_t mask = cmp_mask(loadu(src + j), P->vals[k - 1], ge);
-        while (mask) {
-          const int l = __builtin_ctz(mask);
-          mask &= mask - 1;
-          const int64_t jj = j + l;
-          if (jj >= n) break;
-          if (jj < j0) continue;
-          insert(P, k, src[jj], (int32_t)(ids ? ids[jj] : base + jj));
+      int64_t j0 = 0;  // values before j0 are already offered
+      if (fill) {
+        for (; j0 < n && P->cnt < k; ++j0) {
+          const int64_t id = ids ? ids[j0] : base + j0;
+          if (allowed && !((allowed[id >> 6] >> (id & 63)) & 1)) continue;
+          insert(P, k, src[j0], (int32_t)id);
+        }
+      }
+      if (j0 < n && (bm > P->vals[k - 1] || (ids && bm == P->vals[k - 1]))) {
+        const bool ge = ids != nullptr;
+        for (int64_t j = j0 & ~int64_t(L - 1); j < nv; j += L) {
+          uint32_t mask = cmp_mask(loadu(src + j), P->vals[k - 1], ge);
+          while (mask) {
+            const int l = __builtin_ctz(mask);
+            mask &= mask - 1;
+            const int64_t jj = j + l;
+            if (jj >= n) break;
+            if (jj < j0) continue;
+            insert(P, k, src[jj], (int32_t)(ids ? ids[jj] : base + jj));
+          }
         }
       }
     }
   }
 
-  if (bm > acc.m) {
-    acc.s = acc.m == kNegInf ? 0.0 : acc.s * __builtin_exp((double)acc.m - (double)bm);
+  if (bm == __builtin_inff()) {  // an error: stop summing (the sum would be NaN)
+    acc.flags |= kFlagPosInf;
     acc.m = bm;
+    return;
   }
-  if (acc.m == kNegInf) {
+  if (bm == kNegInf && acc.m == kNegInf) {  // nothing but -inf so far: NaN hides from the max
+    if (!src) {
+      for (int64_t j = 0; j < nv; j += L) storeu(buf + j, load(j));
+      src = buf;
+    }
     for (int64_t j = 0; j < n; ++j)
       if (src[j] != src[j]) acc.flags |= kFlagNaN;
     return;
   }
-  if (acc.m == __builtin_inff()) {
-    acc.flags |= kFlagPosInf;
-    return;
-  }
-  acc.s += (double)sum_exp(src, nv, acc.m);
+  const float M = bm > acc.m ? bm : acc.m;
+  const double prev = acc.m == kNegInf ? 0.0 : acc.s * __builtin_exp((double)acc.m - (double)M);
+  acc.s = prev + (double)s * __builtin_exp((double)ref - (double)M);
+  acc.m = M;
 }
 
 FT_INLINE void finish(Partial* P, const Acc& acc) {
@@ -292,46 +330,52 @@ void dense_impl(const DenseArgs& a, Partial* P) {
   alignas(64) float buf[kBlock];
   P->cnt = 0;
   Acc acc;
+  const auto from_buf = [&](int64_t i) { return loadu(buf + i); };
   for (int64_t b0 = a.lo; b0 < a.hi; b0 += kBlock) {
     const int64_t n = a.hi - b0 < kBlock ? a.hi - b0 : kBlock;
     const int64_t nv = (n + 15) & ~int64_t(15);
     const bool has_bias = a.bias_blk && a.bias_blk[b0 / kBlock];
-    const float* src;
-    if (a.dtype == kF32 && !has_bias && !a.bits && n == nv) {
-      src = (const float*)a.row + b0;
-    } else {
-      const int64_t nfull = n & ~int64_t(L - 1);
-      for (int64_t j = 0; j < nfull; j += L) storeu(buf + j, loadv(a.row, a.dtype, b0 + j));
-      for (int64_t j = nfull; j < nv; ++j) buf[j] = j < n ? load1(a.row, a.dtype, b0 + j) : kNegInf;
-      if (has_bias) {
-        const float* bp = a.bias + b0;
-        for (int64_t j = 0; j < n; ++j) buf[j] = buf[j] + bp[j];
-      }
-      if (a.bits) {
-        vi lane;
-        for (int j = 0; j < L; ++j) lane[j] = 1 << j;
-        const vf ninf = splat(kNegInf);
-        for (int64_t j = 0; j < nv; j += L) {
-          const int64_t id = b0 + j;  // a multiple of L
-          const int32_t w = (int32_t)((a.bits[id >> 6] >> (id & 63)) & ((1u << L) - 1));
-          const vi sel = (lane & w) != 0;
-          storeu(buf + j, sel ? loadu(buf + j) : ninf);
-        }
-      }
-      src = buf;
+    if (a.dtype == kF32 && !has_bias && !a.bits && n == nv) {  // straight from the row
+      const float* src = (const float*)a.row + b0;
+      block([&](int64_t i) { return loadu(src + i); }, src, buf, n, nv, b0, nullptr, nullptr,
+            a.k, P, acc);
+      continue;
     }
-    block(src, n, nv, b0, nullptr, a.bits, a.k, P, acc);
+    // NOTE: bf16/fp16 are converted into buf first: converting inside the exp pass measured
+    // slower (the conversion then competes with the exp for the same ports).
+    const int64_t nfull = n & ~int64_t(L - 1);
+    for (int64_t j = 0; j < nfull; j += L) storeu(buf + j, loadv(a.row, a.dtype, b0 + j));
+    for (int64_t j = nfull; j < nv; ++j) buf[j] = j < n ? load1(a.row, a.dtype, b0 + j) : kNegInf;
+    if (has_bias) {
+      const float* bp = a.bias + b0;
+      for (int64_t j = 0; j < n; ++j) buf[j] = buf[j] + bp[j];
+    }
+    if (a.bits) {
+      vi lane;
+      for (int j = 0; j < L; ++j) lane[j] = 1 << j;
+      const vf ninf = splat(kNegInf);
+      for (int64_t j = 0; j < nv; j += L) {
+        const int64_t id = b0 + j;  // a multiple of L
+        const int32_t w = (int32_t)((a.bits[id >> 6] >> (id & 63)) & ((1u << L) - 1));
+        const vi sel = (lane & w) != 0;
+        storeu(buf + j, sel ? loadu(buf + j) : ninf);
+      }
+    }
+    block(from_buf, buf, buf, n, nv, b0, nullptr, a.bits, a.k, P, acc);
   }
   finish(P, acc);
 }
 
 void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k, Partial* P) {
+  alignas(64) float buf[kBlock];
   P->cnt = 0;
   Acc acc;
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t nb = n - b0 < kBlock ? n - b0 : kBlock;
     const int64_t nv = (nb + 15) & ~int64_t(15);
-    block(vals + b0, nb, nv, 0, ids + b0, nullptr, k, P, acc);
+    const float* src = vals + b0;
+    block([&](int64_t i) { return loadu(src + i); }, src, buf, nb, nv, 0, ids + b0, nullptr, k,
+          P, acc);
   }
   finish(P, acc);
 }
