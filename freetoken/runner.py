@@ -127,6 +127,8 @@ class Runner:
             if seq.num_output_tokens < p.min_tokens:
                 suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos
                                                       else tuple(self.eos_token_ids))
+                if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(suppress):
+                    suppress = ()  # nothing else may be sampled: min_tokens cannot hold
             rows.append(SampleRow(p, seq.seed, seq.num_output_tokens, seq.token_ids,
                                   seq.num_prompt_tokens, suppress))
             where.append(i)
