@@ -212,3 +212,60 @@ def test_disabled_prefix_cache_never_hits():
     admit(pool, s)
     assert s.num_cached == 0 and len(pool.index) == 0
     assert pool.num_hit_tokens == 0
+
+
+@pytest.mark.parametrize("weak_hash", [False, True], ids=["xxh64", "colliding-hash"])
+def test_random_workload_never_serves_foreign_kv(weak_hash):
+    """Simulated KV: each slot holds the token prefix that produced it. Under random admissions,
+    frees, evictions, partial hits and (optionally) a hash that collides all the time, every
+    served slot must hold exactly the admitted sequence's own prefix."""
+    import random
+
+    rng = random.Random(0)
+    hash_fn = (lambda parent, ids: (parent + sum(ids)) % 5) if weak_hash else None
+    pool = make_pool(num_blocks=24, hash_fn=hash_fn)
+    slots: dict[int, tuple[int, ...]] = {}
+    stems = [[rng.randrange(3) for _ in range(40)] for _ in range(3)]
+    live: list[Seq] = []
+    served = partial_hits = 0
+    for _ in range(400):
+        if live and (rng.random() < 0.4 or pool.num_free_blocks < 6):
+            s = live.pop(rng.randrange(len(live)))
+            pool.free(s.block_table)
+            continue
+        stem = rng.choice(stems)
+        s = Seq(stem[:rng.randrange(1, 40)] + [rng.randrange(3) for _ in range(rng.randrange(8))])
+        hits = pool.lookup(s.token_ids, s.block_hashes, s.cursor)
+        partial = pool.find_partial(s.token_ids, len(hits), s.cursor)
+        cached = len(hits) * BS + (partial[1] if partial else 0)
+        assert cached <= len(s.token_ids) - 1
+        need = -(-len(s.token_ids) // BS) - len(hits)
+        pins = hits + ([partial[0]] if partial else [])
+        if not pool.can_allocate(need, pins):
+            continue
+        pool.touch(pins)
+        fresh = pool.allocate(need)
+        s.block_table = hits + fresh
+        served += cached
+        if partial:
+            partial_hits += 1
+            src, m = partial
+            for j in range(m):
+                slots[fresh[0] * BS + j] = slots[src * BS + j]
+            pool.free([src])
+        for p in range(cached):  # what the cache served must be this sequence's own prefix
+            b = s.block_table[p // BS]
+            assert slots[b * BS + p % BS] == tuple(s.token_ids[:p + 1])
+        for p in range(cached, len(s.token_ids)):  # "compute" the rest
+            slots[s.block_table[p // BS] * BS + p % BS] = tuple(s.token_ids[:p + 1])
+        pool.cache_blocks(s.block_table, s.token_ids, s.block_hashes, s.cursor,
+                          len(s.token_ids))
+        live.append(s)
+        # pool invariants
+        assert set(pool.free_queue) == {b for b in range(24) if pool.ref_count(b) == 0}
+        for h, b in pool.index.entries.items():
+            assert pool.blocks[b].block_hash == h
+    for s in live:
+        pool.free(s.block_table)
+    assert pool.num_free_blocks == 24
+    assert served > 1000 and partial_hits > 20  # the cache was exercised, not bypassed
