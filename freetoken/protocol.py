@@ -120,6 +120,9 @@ class _SamplingFields(_Strict):
     priority: int | None = Field(None, description="neutral only: 0")
     cache_salt: Any = Field(None, description="neutral only: null")
     return_token_ids: bool | None = Field(None, description="neutral only: false")
+    # vllm-router (and SGLang's router) re-serialize every request with these defaults
+    no_stop_trim: bool | None = Field(None, description="neutral only: false")
+    return_hidden_states: bool | None = Field(None, description="neutral only: false")
 
 
 class CompletionRequest(_SamplingFields):
@@ -159,6 +162,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = Field(None, description='neutral only: null or "none"')
     parallel_tool_calls: bool | None = None
     documents: Any = Field(None, description="neutral only: null")
+    # vllm-router's defaults (FreeToken has no reasoning parser: true changes nothing)
+    separate_reasoning: bool | None = Field(None, description="neutral only: true")
+    stream_reasoning: bool | None = Field(None, description="neutral only: true")
+    include_reasoning: bool | None = Field(None, description="neutral only: true")
 
 
 class TokenizeRequest(_Strict):
@@ -204,6 +211,11 @@ _UNSUPPORTED: dict[str, tuple] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "documents": (None,),
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+    "separate_reasoning": (None, True),
+    "stream_reasoning": (None, True),
+    "include_reasoning": (None, True),
 }
 # Sampling fields whose neutral value is accepted even if SamplingParams lacks them.
 _NEUTRAL_SAMPLING = {
