@@ -3,6 +3,10 @@
 Counters and histograms are fed by server.py per request; the engine's live numbers (running /
 waiting requests, KV blocks, prefix-cache queries and hits) are read from `engine.stats()` at
 scrape time by a custom collector, so they are never stale.
+
+The same live numbers are also exported under vLLM's metric names (`vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc`, ...; labels `model_name` and `engine`), so dashboards, autoscalers and
+routers that scrape vLLM work unchanged (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -68,9 +72,71 @@ _ENGINE_COUNTERS = {
 }
 
 
+def _first(stats: dict, *keys: str, default: float = 0.0) -> float:
+    for key in keys:
+        if key in stats:
+            return float(stats[key])
+    return default
+
+
+def vllm_families(stats: dict, model_name: str):
+    """engine.stats() under vLLM's names. Both spellings vLLM has shipped are exported: V1's
+    `vllm:kv_cache_usage_perc` / `vllm:prefix_cache_*` and V0's `vllm:gpu_cache_usage_perc` /
+    `vllm:gpu_prefix_cache_*` (production-stack's router and many dashboards read the latter).
+    Prefix-cache counters count tokens, as vLLM's do."""
+    labels = ["model_name", "engine"]
+    values = [model_name, "0"]
+
+    def gauge(name, doc, value):
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric(values, value)
+        return g
+
+    def counter(name, doc, value):  # `name` without _total: the client library adds it
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric(values, value)
+        return c
+
+    used = _first(stats, "kv_blocks_used", "num_used_blocks")
+    total = _first(stats, "kv_blocks_total", "num_blocks")
+    usage = used / total if total > 0 else 0.0
+    yield gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        _first(stats, "num_running", "running"),
+    )
+    yield gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        _first(stats, "num_waiting", "waiting"),
+    )
+    yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+    yield gauge(
+        "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (V0 name).", usage
+    )
+    queries = _first(stats, "prefix_queries", "prefix_cache_queries")
+    hits = _first(stats, "prefix_hits", "prefix_cache_hits")
+    for prefix in ("vllm:prefix_cache", "vllm:gpu_prefix_cache"):
+        yield counter(f"{prefix}_queries", "Prefix cache queries, in terms of tokens.", queries)
+        yield counter(f"{prefix}_hits", "Prefix cache hits, in terms of tokens.", hits)
+    yield counter(
+        "vllm:prompt_tokens", "Number of prefill tokens processed.",
+        _first(stats, "prompt_tokens_total"),
+    )
+    yield counter(
+        "vllm:generation_tokens", "Number of generation tokens processed.",
+        _first(stats, "generation_tokens_total"),
+    )
+    yield counter(
+        "vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+        _first(stats, "num_preemptions"),
+    )
+
+
 class _EngineCollector:
-    def __init__(self, engine):
+    def __init__(self, engine, owner=None):
         self.engine = engine
+        self.owner = owner  # the Metrics: its model_name labels the vllm:* series
 
     def collect(self):
         try:
@@ -101,6 +167,8 @@ class _EngineCollector:
         ):
             if name not in seen:
                 yield CounterMetricFamily(name, doc, value=0.0)
+        model_name = getattr(self.owner, "model_name", None) or "freetoken"
+        yield from vllm_families(stats, model_name)
 
 
 class Metrics:
@@ -144,7 +212,9 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
-        r.register(_EngineCollector(engine))
+        # The `model_name` label of the vllm:* series; the app sets the served model name.
+        self.model_name = "freetoken"
+        r.register(_EngineCollector(engine, self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -554,6 +554,9 @@ def create_app(
         Route("/version", h.version, methods=["GET"]),
         Route("/openapi.json", h.openapi, methods=["GET"]),
     ]
+    from freetoken.scaleout import scaleout_routes  # render endpoints, load reports
+
+    routes += scaleout_routes(h)
 
     async def on_error(request: Request, exc: FreeTokenError) -> Response:
         metrics.errors.labels(exc.type).inc()
