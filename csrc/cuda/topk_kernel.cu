@@ -293,10 +293,17 @@ chunk_kernel(TopkArgs a, const uint32_t* __restrict__ bits, const uint8_t* __res
     }
   } else {
     for (int i = tid; i < n; i += kThreads) sval[i] = load_as_float(row, lo + i);
-    __syncthreads();
-    for (int j = tid; j < nb; j += kThreads) {
-      const int64_t id = a.bias_ids[bb + j];
-      if (id >= lo && id < lo + n) atomicAdd(sval + (id - lo), a.bias_values[bb + j]);
+    if (nb > 0) {
+      // biases are summed first and added once, x + (b1 + b2), exactly as on the CPU
+      float* bsum = reinterpret_cast<float*>(sid);
+      for (int i = tid; i < kChunk; i += kThreads) bsum[i] = 0.f;
+      __syncthreads();
+      for (int j = tid; j < nb; j += kThreads) {
+        const int64_t id = a.bias_ids[bb + j];
+        if (id >= lo && id < lo + n) atomicAdd(bsum + (id - lo), a.bias_values[bb + j]);
+      }
+      __syncthreads();
+      for (int i = tid; i < n; i += kThreads) sval[i] = sval[i] + bsum[i];
     }
   }
   __syncthreads();
