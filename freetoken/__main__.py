@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +31,27 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512MiB, 2GiB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
+
+
+def split_list(values: list[str] | None) -> list[str]:
+    """Repeated flags and comma lists, flattened: ["a,b", "c"] -> ["a", "b", "c"]."""
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -99,10 +122,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prompts one /v1/completions request may batch; more is a 400",
     )
     p.add_argument(
+        "--max-queue-len",
+        type=positive_int,
+        default=1024,
+        help="engine requests (prompts x n) allowed to wait for admission; beyond it a request "
+        "gets 503 `overloaded` with Retry-After at once",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=parse_seconds,
+        default=0.0,
+        help="seconds a generation request may take from arrival (queueing included); past "
+        "it the request is aborted, its KV freed, and the client gets 504 `timeout_error`; "
+        "0: no deadline",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=32 << 20,
+        help="largest request body, e.g. 1MiB; above it is a 413",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=parse_seconds,
+        default=30.0,
+        help="on SIGTERM / SIGINT: stop accepting, let requests in flight finish for up to "
+        "this many seconds (then abort them), exit 0",
+    )
+    p.add_argument(
         "--api-key",
+        action="append",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes "
-        "(/health and /metrics stay open)",
+        "(/health, /metrics, /version and /openapi.json stay open); repeat the flag or give a "
+        "comma list for several keys; default: $FREETOKEN_API_KEY (a comma list), which keeps "
+        "keys out of the process list",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        help="CORS: origins allowed to call the API from a browser (comma list or repeated; "
+        "'*' for any); without it no CORS headers are sent",
     )
     p.add_argument(
         "--dtype",
@@ -149,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             enable_prefix_cache=not args.no_prefix_cache,
             max_logprobs=args.max_logprobs,
+            max_queue_len=args.max_queue_len,
         )
     except ValueError as exc:
         print(f"freetoken: {exc}", file=sys.stderr)
@@ -190,22 +252,72 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes / 2**20,
         "on" if config.enable_prefix_cache else "off",
     )
+    api_keys = split_list(args.api_key) or split_list([os.environ.get("FREETOKEN_API_KEY", "")])
     app = create_app(
         engine,
         served_model_name=name,
-        api_key=args.api_key,
+        api_key=api_keys,  # NOTE: never logged; only their number is
         max_batch_prompts=args.max_batch_prompts,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout or None,
+        allowed_origins=split_list(args.allowed_origins),
     )
-    server = uvicorn.Server(
+    log.info(
+        "limits: max_queue_len=%d request_timeout=%s max_body_bytes=%d shutdown_grace=%gs "
+        "api keys=%d cors=%s",
+        args.max_queue_len,
+        f"{args.request_timeout:g}s" if args.request_timeout else "off",
+        args.max_body_bytes,
+        args.shutdown_grace_s,
+        len(api_keys),
+        ",".join(split_list(args.allowed_origins)) or "off",
+    )
+    server = _make_server_class()(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
-        )
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_grace_s,
+        ),
+        engine,
     )
     try:
         server.run()
     finally:
         engine.shutdown()
     return 0
+
+
+def _make_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's Server, but a SIGTERM / SIGINT is a clean stop: uvicorn stops accepting,
+        lets the requests in flight finish (up to timeout_graceful_shutdown, then cancels them,
+        which aborts their engine requests), and the process exits 0 instead of re-raising
+        the signal after shutdown (uvicorn's default, which ends the process with -15)."""
+
+        def __init__(self, config, engine):
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+            if first:
+                stats = self.engine.stats() or {}
+                logging.getLogger("freetoken").info(
+                    "%s: draining (running=%s waiting=%s, grace %gs)",
+                    signal.Signals(sig).name,
+                    stats.get("num_running"),
+                    stats.get("num_waiting"),
+                    self.config.timeout_graceful_shutdown or 0,
+                )
+
+    return Server
 
 
 if __name__ == "__main__":

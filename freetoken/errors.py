@@ -5,6 +5,17 @@ The wire shape is OpenAI's: {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+# NOTE: a message or param built from client input (a field name, a logit_bias key, a huge id)
+# is clipped when rendered, so an error never echoes a whole prompt or body back.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 200
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return text[:limit] + f"... ({len(text) - limit} more characters)"
+
 
 class FreeTokenError(Exception):
     status: int = 500
@@ -19,8 +30,9 @@ class FreeTokenError(Exception):
         self.headers = headers or {}
 
     def to_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        code = clip(self.code, MAX_PARAM_CHARS) if isinstance(self.code, str) else self.code
+        return {"error": {"message": clip(self.message, MAX_MESSAGE_CHARS), "type": self.type,
+                          "param": clip(self.param, MAX_PARAM_CHARS), "code": code}}
 
 
 class InvalidRequest(FreeTokenError):
@@ -68,3 +80,15 @@ class ServerError(FreeTokenError):
     """FreeToken's own fault; carries the request id so the log line can be found."""
     status = 500
     type = "server_error"
+
+
+class RequestTimeout(FreeTokenError):
+    """The request outlived `--request-timeout`: it was aborted (its KV freed). A 504, so
+    clients and proxies see a timeout rather than a client error."""
+    status = 504
+    type = "timeout_error"
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"The request did not finish within the server's deadline of "
+                         f"{timeout_s:g} s (--request-timeout); it was stopped.",
+                         code="request_timeout")

@@ -28,6 +28,12 @@ from freetoken.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_STOP = 32
+# Limits on what one request may ask for (each refusal is a 400 that names its limit). They keep
+# one request from monopolising the event loop (validation is Python) or the response size.
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_MESSAGES = 1024  # chat messages
+MAX_LOGPROB_TOKEN_IDS = 256  # logprob_token_ids entries (returned at every position)
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}}
 _PROMPT_SCHEMA = {
@@ -148,7 +154,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions (SPEC.md)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -266,7 +272,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_ids(ids: list[int], vocab_size: int, where: str) -> None:
+def _check_ids(ids: list[int], vocab_size: int, where: str, max_len: int | None = None) -> None:
+    if max_len is not None and len(ids) > max_len:
+        raise InvalidRequest(
+            f"{where} holds {len(ids)} token ids, more than the maximum of {max_len}", param=where
+        )
     for i, t in enumerate(ids):
         if not _is_int(t):
             raise InvalidRequest(f"{where}[{i}] is not an integer token id", param=f"{where}[{i}]")
@@ -284,9 +294,18 @@ class Prompt:
 
 
 def normalize_prompt(
-    raw: Any, *, vocab_size: int, tokenizer, add_special_tokens: bool, max_batch_prompts: int
+    raw: Any,
+    *,
+    vocab_size: int,
+    tokenizer,
+    add_special_tokens: bool,
+    max_batch_prompts: int,
+    context: tuple[int, int] | None = None,
 ) -> list[Prompt]:
-    """The four prompt forms of SPEC.md -> a list of Prompt. Ids are used exactly."""
+    """The four prompt forms of SPEC.md -> a list of Prompt. Ids are used exactly.
+
+    `context` = (max_tokens, max_model_len): an id prompt too long for it is refused before its
+    ids are checked one by one (a huge array costs no per-element Python work)."""
     bad_type = InvalidRequest("prompt must be a string or an array of token ids", param="prompt")
 
     def encode(text: str, where: str) -> Prompt:
@@ -309,6 +328,8 @@ def normalize_prompt(
             raise InvalidRequest(
                 f"{where}: an empty token-id array cannot be evaluated", param=where
             )
+        if context is not None and len(ids) + context[0] > context[1]:
+            _check_context([Prompt(ids, None)], context[0], context[1], where)
         _check_ids(ids, vocab_size, where)
         return Prompt(list(ids), None)
 
@@ -376,18 +397,28 @@ def _stop_list(stop: Any) -> list[str]:
             raise InvalidRequest(f"stop[{i}] is not a string", param=f"stop[{i}]")
         if not s:
             raise InvalidRequest(f"stop[{i}] is an empty string", param=f"stop[{i}]")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"stop[{i}] is {len(s)} characters long, more than {MAX_STOP_CHARS}",
+                param=f"stop[{i}]",
+            )
     return list(stop)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if not bias:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"logit_bias holds {len(bias)} entries, more than {MAX_LOGIT_BIAS}", param="logit_bias"
+        )
     out: dict[int, float] = {}
     for key, value in bias.items():
         param = f"logit_bias.{key}"
         k = key.strip()
         if not (k.isdigit() or (k.startswith("-") and k[1:].isdigit())):
-            raise InvalidRequest(f"{param}: the key {key!r} is not a token id", param=param)
+            shown = repr(key) if len(key) <= 40 else repr(key[:40]) + "..."
+            raise InvalidRequest(f"{param}: the key {shown} is not a token id", param=param)
         tid = int(k)
         if not 0 <= tid < vocab_size:
             raise InvalidRequest(
@@ -449,12 +480,12 @@ def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     if req.stop_token_ids:
-        _check_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+        _check_ids(req.stop_token_ids, vocab_size, "stop_token_ids", max_len=vocab_size)
         kw["stop_token_ids"] = list(req.stop_token_ids)
     if req.allowed_token_ids is not None:
         if not req.allowed_token_ids:
             raise InvalidRequest("allowed_token_ids must not be empty", param="allowed_token_ids")
-        _check_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+        _check_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids", max_len=vocab_size)
         kw["allowed_token_ids"] = list(dict.fromkeys(req.allowed_token_ids))
     bias = _logit_bias(req.logit_bias, vocab_size)
     if bias:
@@ -462,10 +493,15 @@ def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
     return kw  # NOTE: no filtering: a field SamplingParams lacks must fail loudly, never vanish
 
 
-def _check_context(prompts: list[Prompt], max_tokens: int, max_model_len: int) -> None:
+def _check_context(
+    prompts: list[Prompt], max_tokens: int, max_model_len: int, name: str | None = None
+) -> None:
     for i, p in enumerate(prompts):
         if len(p.ids) + max_tokens > max_model_len:
-            where = f"prompt[{i}]: " if len(prompts) > 1 else ""
+            if name is not None:
+                where = "" if name == "prompt" else f"{name}: "
+            else:
+                where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             raise ContextTooLong(
                 f"{where}You passed {len(p.ids)} input tokens and requested {max_tokens} output "
                 f"tokens; the context is {max_model_len}",
@@ -514,7 +550,12 @@ def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 6
             raise InvalidRequest(
                 "logprob_token_ids requires logprobs to be set", param="logprob_token_ids"
             )
-        _check_ids(req.logprob_token_ids, limits.vocab_size, "logprob_token_ids")
+        _check_ids(
+            req.logprob_token_ids,
+            limits.vocab_size,
+            "logprob_token_ids",
+            max_len=MAX_LOGPROB_TOKEN_IDS,
+        )
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not req.echo:
         raise InvalidRequest(
@@ -532,6 +573,7 @@ def parse_completion(body: Any, limits, tokenizer, *, max_batch_prompts: int = 6
         tokenizer=tokenizer,
         add_special_tokens=req.add_special_tokens,
         max_batch_prompts=max_batch_prompts,
+        context=(max_tokens, limits.max_model_len),
     )
     _check_context(prompts, max_tokens, limits.max_model_len)
     score_only = max_tokens == 0

@@ -1,8 +1,11 @@
 """The HTTP edge: a Starlette app over one Engine.
 
-What it does: routes of SPEC.md, SSE streaming, `--api-key`, metrics, one log line per request,
-and rendering every error once, in the OpenAI shape. What it does not: validation (protocol.py)
-or anything with tensors (the engine thread).
+What it does: routes of SPEC.md, SSE streaming, `--api-key`, CORS (only with
+`--allowed-origins`), metrics, one log line per request, and rendering every error once, in the
+OpenAI shape. Reliability (docs/reliability.md): every generation request is watched for its
+deadline (`--request-timeout`) and for the engine loop's death, and is aborted -- its KV freed --
+when it times out, fails or its client leaves. What it does not: validation (protocol.py) or
+anything with tensors (the engine thread). No route reads or writes a file.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import logging
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -32,6 +37,7 @@ from freetoken.errors import (
     FreeTokenError,
     InvalidRequest,
     NotFound,
+    RequestTimeout,
     ServerError,
     Unauthorized,
 )
@@ -40,6 +46,10 @@ from freetoken.metrics import Metrics
 logger = logging.getLogger("freetoken.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Bodies larger than this are decoded and validated on a worker thread, so one big request does
+# not stall the event loop (every other request's I/O, and the 503s of a full queue).
+OFF_LOOP_BYTES = 64 * 1024
+WATCH_INTERVAL_S = 0.25  # how often an in-flight request checks its deadline and the engine
 _OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 _LOG_KEY = "freetoken.log"
 
@@ -51,9 +61,9 @@ def _error_response(exc: FreeTokenError) -> JSONResponse:
 class _Edge:
     """Pure ASGI middleware: request id, auth, the per-request log line, the 500 catch-all."""
 
-    def __init__(self, app, *, api_key: str | None, metrics: Metrics):
+    def __init__(self, app, *, api_keys: Sequence[str], metrics: Metrics):
         self.app = app
-        self.api_key = api_key
+        self.api_keys = [k.encode() for k in api_keys]  # NOTE: never logged, never rendered
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
@@ -117,14 +127,17 @@ class _Edge:
             )
 
     def _check_auth(self, scope) -> None:
-        if self.api_key is None or scope.get("path", "").startswith(_OPEN_PATHS):
+        if not self.api_keys or scope.get("path", "").startswith(_OPEN_PATHS):
             return
-        header = ""
+        header = b""
         for k, v in scope.get("headers", []):
             if k == b"authorization":
-                header = v.decode("latin-1")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                header = v
+        token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+        ok = False
+        for key in self.api_keys:  # every key compared, in constant time: no early exit
+            ok |= hmac.compare_digest(token, key)
+        if not ok:
             raise Unauthorized("Invalid or missing API key (Authorization: Bearer KEY).")
 
 
@@ -141,6 +154,7 @@ class _Handlers:
         max_batch_prompts: int,
         max_body_bytes: int,
         metrics: Metrics,
+        request_timeout_s: float | None = None,
     ):
         self.engine = engine
         self.tok = engine.tokenizer
@@ -149,11 +163,17 @@ class _Handlers:
         self.max_batch_prompts = max_batch_prompts
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.request_timeout_s = request_timeout_s or None
+        # engine requests one HTTP request may hold (prompts x n): more could never be queued
+        self.max_queue_len = getattr(getattr(engine, "config", None), "max_queue_len", None)
         self.created = int(time.time())
 
     # ---- helpers -----------------------------------------------------------------------------
 
     async def _json(self, request: Request) -> Any:
+        return _decode_json(await self._body(request))
+
+    async def _body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise BodyTooLarge(f"The request body exceeds {self.max_body_bytes} bytes.")
@@ -163,10 +183,44 @@ class _Handlers:
             if size > self.max_body_bytes:
                 raise BodyTooLarge(f"The request body exceeds {self.max_body_bytes} bytes.")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes, chat: bool) -> protocol.ParsedRequest:
+        body = _decode_json(raw)
+        if chat:
+            parsed = protocol.parse_chat(body, self.limits, self.tok)
+        else:
+            parsed = protocol.parse_completion(
+                body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
+            )
+        self._check_model(parsed.model)
+        num_jobs = len(parsed.prompts) * parsed.n
+        if self.max_queue_len is not None and num_jobs > self.max_queue_len:
+            raise InvalidRequest(
+                f"This request needs {num_jobs} sequences (prompts x n), more than the server's "
+                f"queue holds ({self.max_queue_len}, --max-queue-len)",
+                param="n",
+            )
+        return parsed
+
+    def _engine_alive(self) -> bool:
+        alive = getattr(self.engine, "is_alive", None)
+        return alive() if callable(alive) else (True if alive is None else bool(alive))
+
+    async def _watch(self, t0: float) -> FreeTokenError:
+        """Returns (never raises) the error that ends a request: its deadline passed, or the
+        engine loop died (its streams would never finish). Runs until cancelled otherwise."""
+        deadline = t0 + self.request_timeout_s if self.request_timeout_s else None
+        while True:
+            if not self._engine_alive():
+                return EngineDead("The engine loop stopped before this request finished.")
+            delay = WATCH_INTERVAL_S
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return RequestTimeout(self.request_timeout_s)
+                delay = min(delay, left)
+            await asyncio.sleep(delay)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -200,8 +254,11 @@ class _Handlers:
     @staticmethod
     def _check_out(out) -> None:
         if out.finish_reason == "error" or getattr(out, "error", None):
+            # NOTE: the engine logged the traceback; the client gets the id, not the internals
+            logger.error("request %s failed in the engine: %s", out.request_id, out.error)
             raise ServerError(
-                f"The engine failed on request {out.request_id}: {out.error}", code=out.request_id
+                f"Internal server error in the engine; request id {out.request_id}",
+                code=out.request_id,
             )
         if out.finish_reason == "abort":  # not ours: we stop reading before we abort
             raise EngineDead("The engine stopped before this request finished.")
@@ -239,14 +296,11 @@ class _Handlers:
         t0 = time.perf_counter()
         info = request.scope.get(_LOG_KEY, {"id": uuid.uuid4().hex})
         rid = ("chatcmpl-" if chat else "cmpl-") + info["id"]
-        body = await self._json(request)
-        if chat:
-            parsed = protocol.parse_chat(body, self.limits, self.tok)
+        raw = await self._body(request)
+        if len(raw) > OFF_LOOP_BYTES:
+            parsed = await asyncio.to_thread(self._parse, raw, chat)
         else:
-            parsed = protocol.parse_completion(
-                body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
-            )
-        self._check_model(parsed.model)
+            parsed = self._parse(raw, chat)
         jobs = await self._start(parsed, rid, chat)
         if parsed.stream:
             unfinished = {erid for _, erid, _, _ in jobs}
@@ -275,11 +329,15 @@ class _Handlers:
 
         work = asyncio.gather(*(run(stream, state) for _, _, stream, state in jobs))
         gone = asyncio.ensure_future(_wait_disconnect(request))
+        watch = asyncio.ensure_future(self._watch(t0))
         try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
+            done, _ = await asyncio.wait({work, gone, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                merged = work.result()
+            elif watch in done:
+                raise watch.result()
+            else:
                 raise _ClientGone()
-            merged = work.result()
         except BaseException:
             work.cancel()
             for _, erid, _, _ in jobs:
@@ -287,6 +345,7 @@ class _Handlers:
             raise
         finally:
             gone.cancel()
+            watch.cancel()
         usage = self._usage(parsed, jobs)
         self._account(request, usage, [s for *_, s in jobs], t0)
         model = self.model_name
@@ -320,11 +379,15 @@ class _Handlers:
                 return
             await queue.put((index, None, None))
 
+        async def watch():
+            await queue.put((None, None, await self._watch(t0)))
+
         tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
+        tasks.append(asyncio.ensure_future(watch()))
         first_chunk = {idx: True for idx, *_ in jobs}
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
-            pending, got_first = len(tasks), False
+            pending, got_first = len(jobs), False
             while pending:
                 index, frag, exc = await queue.get()
                 if exc is not None:
@@ -416,9 +479,7 @@ class _Handlers:
         )
 
     async def health(self, request: Request) -> Response:
-        alive = getattr(self.engine, "is_alive", None)
-        ok = alive() if callable(alive) else (True if alive is None else bool(alive))
-        if not ok:
+        if not self._engine_alive():
             return _error_response(EngineDead("The engine loop is not running."))
         return JSONResponse({"status": "ok"})
 
@@ -436,6 +497,13 @@ class _Handlers:
 
 class _ClientGone(Exception):
     pass
+
+
+def _decode_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -529,18 +597,26 @@ def create_app(
     engine,
     *,
     served_model_name: str = "SmolLM2-135M-Instruct",
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_batch_prompts: int = 64,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout_s: float | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> Starlette:
-    """The app over a started engine. The caller owns the engine's lifetime."""
+    """The app over a started engine. The caller owns the engine's lifetime.
+
+    api_key: one key or several (any of them is accepted); None or empty: no auth.
+    request_timeout_s: the deadline of a generation request from arrival (None: none).
+    allowed_origins: CORS origins ("*" for any); empty: no CORS headers at all."""
     metrics = Metrics(engine)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     h = _Handlers(
         engine,
         served_model_name=served_model_name,
         max_batch_prompts=max_batch_prompts,
         max_body_bytes=max_body_bytes,
         metrics=metrics,
+        request_timeout_s=request_timeout_s,
     )
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
@@ -576,7 +652,15 @@ def create_app(
         routes=routes,
         exception_handlers={FreeTokenError: on_error, HTTPException: on_http, _ClientGone: on_gone},
     )
-    app.add_middleware(_Edge, api_key=api_key, metrics=metrics)
+    app.add_middleware(_Edge, api_keys=[k for k in keys if k], metrics=metrics)
+    if allowed_origins:  # outermost: a preflight is answered before auth
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     app.state.metrics = metrics
     app.state.engine = engine
     return app
