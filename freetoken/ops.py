@@ -313,6 +313,32 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor
 _PRUNE = 21.0
 
 
+def _nucleus(zk: torch.Tensor, tp: torch.Tensor) -> torch.Tensor:
+    """top_p membership [S, V] for scaled logits zk [S, V] fp64 (-inf = filtered out): the
+    smallest prefix of the ranking (z desc, id asc) whose mass reaches tp, found with top-c
+    values for growing c (the values, unlike tie order, are unambiguous), so the usual cost is
+    one topk(64), not a sort of V."""
+    S, V = zk.shape
+    lse = torch.logsumexp(zk, dim=-1, keepdim=True)                     # [S, 1]
+    c = min(64, V)
+    while True:
+        vals = torch.topk(zk, c, dim=-1).values                         # [S, c] desc
+        p = torch.exp(vals - lse)
+        before = torch.cumsum(p, -1) - p                                 # mass ranked above
+        inside = (before < tp[:, None]) & (vals > _NEG_INF)
+        size = inside.sum(-1)                                            # [S], >= 1
+        done = (size < c) | (tp >= 1)
+        if bool(done.all()) or c == V:
+            break
+        c = min(V, 4 * c)
+    size = size.clamp(min=1)
+    cut = vals.gather(1, (size - 1)[:, None])                            # [S, 1]
+    n_gt = (vals > cut).sum(-1, keepdim=True)
+    eq = zk == cut
+    out = (zk > cut) | (eq & (eq.cumsum(-1) <= size[:, None] - n_gt))    # ties: lower ids
+    return out | (tp >= 1)[:, None]
+
+
 def sample_tokens(logits: torch.Tensor, allowed, logit_bias, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -372,17 +398,7 @@ def sample_tokens(logits: torch.Tensor, allowed, logit_bias, temperature: torch.
     ok &= (zc - zmax[r]) >= torch.log(mp)[r]                            # log 0 = -inf: off
     tp = top_p[rows].double()
     if bool((tp < 1).any()):
-        lse_keep = torch.logsumexp(z.masked_fill(~keep, _NEG_INF), dim=-1)   # over top_k's set
-        order = torch.sort(zc, descending=True, stable=True).indices
-        order = order[torch.sort(r[order], stable=True).indices]        # by row, z desc, id asc
-        rs, ps = r[order], torch.exp(zc[order] - lse_keep[r[order]])
-        cum = torch.cumsum(ps, 0)
-        first = torch.searchsorted(rs, torch.arange(rows.numel(), device=dev))
-        before = torch.cat([torch.zeros(1, dtype=cum.dtype, device=dev), cum])[first]
-        mass_before = cum - ps - before[rs]                             # mass ranked above
-        in_nucleus = torch.empty_like(ok)
-        in_nucleus[order] = mass_before < tp[rs]
-        ok &= in_nucleus | (tp[r] >= 1)
+        ok &= _nucleus(z.masked_fill(~keep, _NEG_INF), tp)[r, c]
     key = torch.where(ok, zc + gumbel_noise(seed[rows][r], step[rows][r], c), _NEG_INF)
     best = torch.full((rows.numel(),), _NEG_INF, dtype=key.dtype, device=dev)
     best = best.scatter_reduce(0, r, key, reduce="amax")
