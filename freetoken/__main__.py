@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="disable the prefix cache (every prompt is computed in full)",
     )
     p.add_argument(
+        "--partial-block-reuse",
+        action="store_true",
+        help="let a prefix hit end inside a block: the cached block's leading slots are copied, "
+        "so cached_tokens counts every shared token, not only whole 16-token blocks",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -209,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             enable_prefix_cache=not args.no_prefix_cache,
+            enable_partial_block_reuse=args.partial_block_reuse,
             max_logprobs=args.max_logprobs,
             max_queue_len=args.max_queue_len,
         )

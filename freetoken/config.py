@@ -30,7 +30,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
     enable_prefix_cache: bool = True
-    enable_partial_block_reuse: bool = True  # token-granular end of a hit (kv_cache.py)
+    # Off by default: the contract's cache is full blocks (cached_tokens = the shared full-block
+    # length). On: the end of a hit is token-granular, the donor's leading slots are copied.
+    enable_partial_block_reuse: bool = False
     max_logprobs: int = 20
     max_queue_len: int = 1024              # waiting requests before submit() raises Overloaded
 

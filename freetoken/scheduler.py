@@ -68,7 +68,7 @@ class StepResult:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Seq[int] = (),
-                 enable_partial_reuse: bool = True):
+                 enable_partial_reuse: bool = False):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs

@@ -51,9 +51,10 @@ class CharDetok:
         return ""
 
 
-def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, cache=True):
+def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, cache=True, partial=True):
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=cache, fingerprint=b"fake")
-    return Scheduler(pool, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS])
+    return Scheduler(pool, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS],
+                     enable_partial_reuse=partial)
 
 
 def new_seq(rid, prompt, detok=False, **kw):
