@@ -128,7 +128,9 @@ def main() -> None:
                     help="classify: interleaved on/off rounds the requests are split into")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--workload", choices=["all", "classify", "decode"], default="all")
-    ap.add_argument("--cache", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--cache", choices=["all", "both", "on", "partial", "off"], default="all",
+                    help="on: full-block prefix cache (the default server); partial: also "
+                    "token-granular hit ends (--partial-block-reuse); both: on and off")
     ap.add_argument("--quick", action="store_true", help="40 classify, 32 decode tokens")
     args = ap.parse_args()
     if args.quick:
@@ -152,12 +154,15 @@ def main() -> None:
         classify_prompts)
     results["classify_shared_prefix_tokens"] = shared
     decode_prompts = [tok.encode(p) for p in DECODE_PROMPTS[:args.num_decode]]
-    caches = {"both": [True, False], "on": [True], "off": [False]}[args.cache]
+    modes = {"on": (True, False), "partial": (True, True), "off": (False, False)}
+    tags = {"all": ["on", "partial", "off"], "both": ["on", "off"]}.get(args.cache, [args.cache])
     engines = {}
-    for cache in caches:
-        engines["on" if cache else "off"] = Engine(EngineConfig(
+    for tag in tags:
+        cache, partial = modes[tag]
+        engines[tag] = Engine(EngineConfig(
             num_kv_blocks=args.num_kv_blocks, device=args.device, dtype=args.dtype,
-            enable_prefix_cache=cache, max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_cache=cache, enable_partial_block_reuse=partial,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=max(args.in_flight, 8)), loaded).start()
     for engine in engines.values():  # warm-up (allocator, kernels), outside the timings
         engine.generate([decode_prompts[0]], SamplingParams(max_tokens=2, temperature=0))
@@ -190,13 +195,16 @@ def main() -> None:
             results[f"classify_cache_{tag}"] = r
             rows.append((f"classify cache {tag}", r["requests_per_s"], r["prompt_tokens_per_s"],
                          wall, f"cached {100 * r['cached_tokens_frac']:.0f}% of prompt tokens"))
-        if len(acc) == 2:
-            same = all(x[0] == y[0] for x, y in zip(acc["on"]["outs"], acc["off"]["outs"]))
-            results["classify_outputs_identical_on_off"] = same
+        if "off" in acc:
+            for tag in [t for t in acc if t != "off"]:
+                same = all(x[0] == y[0] for x, y in zip(acc[tag]["outs"], acc["off"]["outs"]))
+                results[f"classify_outputs_identical_{tag}_off"] = same
 
     if args.workload in ("all", "decode"):
         params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         for tag, engine in engines.items():
+            if tag == "partial":  # decode prompts share nothing: the same as "on"
+                continue
             # NOTE: single-stream runs and batched rounds alternate (drift hits both alike)
             single_prompts = decode_prompts[:args.single_prompts]
             rounds = max(1, len(single_prompts))
@@ -231,10 +239,11 @@ def main() -> None:
     engines.clear()
     gc.collect()
 
-    if "classify_cache_on" in results and "classify_cache_off" in results:
-        results["classify_speedup_cache_on_vs_off"] = (
-            results["classify_cache_on"]["requests_per_s"]
-            / results["classify_cache_off"]["requests_per_s"])
+    for tag in ("on", "partial"):
+        if f"classify_cache_{tag}" in results and "classify_cache_off" in results:
+            results[f"classify_speedup_cache_{tag}_vs_off"] = (
+                results[f"classify_cache_{tag}"]["requests_per_s"]
+                / results["classify_cache_off"]["requests_per_s"])
     print(f"\n{'workload':<24}{'req/s':>10}{'tok/s':>12}{'wall s':>9}  notes")
     for name, rps, tps, wall, note in rows:
         print(f"{name:<24}{rps:>10.2f}{tps:>12.1f}{wall:>9.1f}  {note}")
