@@ -157,6 +157,9 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         chosen_lp = rank = extra = None
         if want:
+            # NOTE: logit - lse can differ from the kernel's top-K value in the last ulp; a token
+            # that is also in its top list reports the top list's number (below), so one token
+            # never shows two logprobs in one response.
             widx = torch.tensor(want, device=dev)
             mb = _masked_biased(logits.index_select(0, widx), [params[i] for i in want])  # [W,V]
             tok = tokens[widx]                                                    # [W]
@@ -182,8 +185,10 @@ class Sampler:
             kk = p.logprobs
             top = [(t, lp) for t, lp in zip(top_ids_l[i][:kk], top_lps_l[i][:kk])
                    if t >= 0 and lp != _NEG_INF]
-            out.append((tokens_l[i], TokenLogprob(tokens_l[i], chosen_lp[w], rank[w], top,
-                                                  extra[w])))
+            in_top = dict(top)
+            out.append((tokens_l[i], TokenLogprob(
+                tokens_l[i], in_top.get(tokens_l[i], chosen_lp[w]), rank[w], top,
+                [(t, in_top.get(t, lp)) for t, lp in extra[w]])))
             w += 1
         return out
 
@@ -198,10 +203,11 @@ class Sampler:
         lp = (val[:, 0] - lse).tolist()
         rank = ((logits > val).sum(-1) + 1).tolist()
         ti, tl = top_ids.tolist(), top_lps.tolist()
-        return [TokenLogprob(int(t), lp[n], rank[n],
-                             [(a, b) for a, b in zip(ti[n][:k], tl[n][:k])
-                              if a >= 0 and b != _NEG_INF])
-                for n, t in enumerate(target_ids)]
+        out = []
+        for n, t in enumerate(target_ids):
+            top = [(a, b) for a, b in zip(ti[n][:k], tl[n][:k]) if a >= 0 and b != _NEG_INF]
+            out.append(TokenLogprob(int(t), dict(top).get(int(t), lp[n]), rank[n], top))
+        return out
 
 
 def _apply_penalties_subset(logits: torch.Tensor, rows: Seq[SampleRow], local: Seq[int]) -> None:
