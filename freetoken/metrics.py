@@ -120,15 +120,18 @@ def vllm_families(stats: dict, model_name: str):
         yield counter(f"{prefix}_queries", "Prefix cache queries, in terms of tokens.", queries)
         yield counter(f"{prefix}_hits", "Prefix cache hits, in terms of tokens.", hits)
     yield counter(
-        "vllm:prompt_tokens", "Number of prefill tokens processed.",
+        "vllm:prompt_tokens",
+        "Number of prefill tokens processed.",
         _first(stats, "prompt_tokens_total"),
     )
     yield counter(
-        "vllm:generation_tokens", "Number of generation tokens processed.",
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
         _first(stats, "generation_tokens_total"),
     )
     yield counter(
-        "vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+        "vllm:num_preemptions",
+        "Cumulative number of preemptions from the engine.",
         _first(stats, "num_preemptions"),
     )
 

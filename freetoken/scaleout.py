@@ -13,10 +13,13 @@
          "stream", "stream_options"}
   `prompt_token_ids` (older vLLM) and `token_ids` (vLLM's GenerateRequest) carry the same ids;
   vllm-router 0.1.17 accepts either.
-- `GET /get_load` (SGLang's shape, what SGLang-style routers poll): a list with one entry per
-  data-parallel rank (FreeToken has one): `{"dp_rank", "num_reqs" (running + waiting),
-  "num_waiting_reqs", "num_tokens" (KV tokens in use), "num_pending_tokens" (KV tokens free),
-  "ts_tic"}`.
+- `GET /get_load`: `{"load": N, ...}`, what vllm-router 0.1.17 (and the sgl-router it was forked
+  from) parses -- its background load monitor and `GET /get_loads` read the top-level `load`
+  integer (an SGLang <= 0.4 worker answered `{"load": ...}`); a worker without it shows `-1`.
+  FreeToken's `load` is the requests it holds, running + waiting. The same object also carries
+  the per-rank fields of SGLang's later shape: `dp_rank`, `num_reqs` (running + waiting),
+  `num_waiting_reqs`, `num_tokens` (KV tokens in use), `num_pending_tokens` (KV tokens free),
+  `ts_tic`.
 - `GET /loads` (also `/v1/loads`): the fuller report, `{"timestamp", "loads": [{"dp_rank",
   "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens",
   "token_usage", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
@@ -124,17 +127,17 @@ class _ScaleOut:
 
     async def get_load(self, request: Request) -> Response:
         r = load_report(self.h.engine)
+        reqs = r["num_running_reqs"] + r["num_waiting_reqs"]
         return JSONResponse(
-            [
-                {
-                    "dp_rank": r["dp_rank"],
-                    "num_reqs": r["num_running_reqs"] + r["num_waiting_reqs"],
-                    "num_waiting_reqs": r["num_waiting_reqs"],
-                    "num_tokens": r["num_used_tokens"],
-                    "num_pending_tokens": r["max_total_num_tokens"] - r["num_used_tokens"],
-                    "ts_tic": time.perf_counter(),
-                }
-            ]
+            {
+                "load": reqs,
+                "dp_rank": r["dp_rank"],
+                "num_reqs": reqs,
+                "num_waiting_reqs": r["num_waiting_reqs"],
+                "num_tokens": r["num_used_tokens"],
+                "num_pending_tokens": r["max_total_num_tokens"] - r["num_used_tokens"],
+                "ts_tic": time.perf_counter(),
+            }
         )
 
     async def loads(self, request: Request) -> Response:
