@@ -269,6 +269,14 @@ def test_prefix_affinity_token_id_prompts(cluster, router, direct):
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
+def test_router_reads_our_load_reports(router, cluster):
+    """vllm-router's GET /get_loads polls each worker's /get_load and reads its `load` (-1 when a
+    worker's answer lacks it)."""
+    loads = {w["worker"]: w["load"] for w in router.get("/get_loads").json()["workers"]}
+    assert set(loads) == set(cluster.replica_urls)
+    assert all(isinstance(v, int) and v >= 0 for v in loads.values()), loads
+
+
 # ---- a replica dies mid-run (last: it changes the cluster) ------------------------------------
 
 
@@ -332,3 +340,30 @@ def test_killing_a_replica_mid_run(cluster, router, direct):
         assert r.status_code == 200, r.text
         assert served_by(cluster, r.json()["id"]) == 1 - victim
     assert time.monotonic() - t0 < 120
+
+
+# ---- consistent_hash: the client names the shared prefix ---------------------------------------
+
+
+def test_consistent_hash_with_a_session_header(tmp_path, direct):
+    """`--policy consistent_hash` hashes the X-Session-ID header (docs/scale-out.md): a client that
+    sends its shared-prefix key there keeps each group on one replica, token-id prompts included,
+    without the router reading the prompt at all."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    args = ["--served-model-name", MODEL, "--max-model-len", "512", "--kv-cache-memory", "24MiB"]
+    with Cluster(2, policy="consistent_hash", replica_args=args, log_dir=tmp_path, env=env) as c:
+        with httpx.Client(base_url=c.router_url, timeout=TIMEOUT) as client:
+            for g in range(2):
+                prefix = _prefix_ids(direct, 400 + g)
+                rows = []
+                for i in range(6):
+                    r = client.post(
+                        "/v1/completions",
+                        json={"model": MODEL, "prompt": prefix + [50 + i], "max_tokens": 1},
+                        headers={"X-Session-ID": f"prefix-{g}"},
+                    )
+                    assert r.status_code == 200, r.text
+                    j = r.json()
+                    rows.append((served_by(c, j["id"]), j["usage"]["prompt_tokens_details"]))
+                assert len({where for where, _ in rows}) == 1, rows
+                assert all(d["cached_tokens"] > 0 for _, d in rows[1:]), rows
