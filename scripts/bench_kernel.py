@@ -163,7 +163,9 @@ def bench_cuda(args) -> list[dict]:
                 a_dev = None if allowed is None else tuple(t.to(dev) for t in allowed)
                 l_dev = None if lists is None else [t.to(dev) for t in lists]
                 k = 20
-                raw = (lambda: ops._C.topk_logprobs(logits, k, *(a_dev or (None, None))))
+
+                def raw():
+                    return ops._C.topk_logprobs(logits, k, *(a_dev or (None, None)))
 
                 def unf():
                     x = logits
