@@ -294,7 +294,8 @@ def medians(recs: list[dict]) -> dict:
                         "cached_tokens_frac"),
                     "errors": sum(r.get("errors", 0) for r in rs),
                     "loadavg": [r["loadavg_before"][0] for r in rs],
-                    "all_rps": [round(r["requests_per_s"], 3) for r in rs]}
+                    "per_rep": [r["requests_per_s"] if key[0].startswith("classify")
+                                else r["output_tokens_per_s"] for r in rs]}
     return out
 
 
@@ -308,8 +309,8 @@ def render(med: dict, bounds: dict | None, dr: dict, args, started: str, took: f
              f"{args.threads} threads for every system, OMP_WAIT_POLICY=PASSIVE. "
              f"Medians over reps; the load average (1 min) was read before each run.", ""]
     lines += ["| workload | system | req/s | output tok/s | p50 latency s | p99 latency s | "
-              "TTFT p50 s | cached prompt | vs llama-server | load avg before runs |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "TTFT p50 s | cached prompt | vs llama-server | per rep | load avg before runs |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for wl in wls:
         ref = med.get((wl, "llama-server"))
         key = "requests_per_s" if wl.startswith("classify") else "output_tokens_per_s"
@@ -324,6 +325,7 @@ def render(med: dict, bounds: dict | None, dr: dict, args, started: str, took: f
                 f"{_f(m['latency_p99_s'], 3)} | {_f(m['ttft_p50_s'], 3)} | "
                 f"{'–' if cached is None else f'{100 * cached:.0f} %'} | "
                 f"{'–' if ratio is None else f'{ratio:.2f}x'} | "
+                f"{', '.join(f'{x:.1f}' for x in m['per_rep'])} | "
                 f"{', '.join(f'{x:.2f}' for x in m['loadavg'])} |")
     lines.append("")
     # targets of issue 6
@@ -411,14 +413,14 @@ def plot(med: dict, path: str, title: str) -> None:
     colors = {"freetoken-fp32": "#1f77b4", "freetoken-bf16": "#6baed6",
               "llama-server": "#d62728", "transformers-naive": "#7f7f7f",
               "transformers-prefix": "#bcbd22"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.4), squeeze=False)
     for ax, (wl, key, ttl) in zip(axes[0], panels):
         items = sorted([(name, m[key]) for (w, name), m in med.items() if w == wl and m[key]],
                        key=lambda x: list(colors).index(x[0]) if x[0] in colors else 99)
         names = [n for n, _ in items]
         vals = [v for _, v in items]
         bars = ax.bar(range(len(vals)), vals, color=[colors.get(n, "#999") for n in names])
-        ax.set_xticks(range(len(vals)), [n.replace("-", "\n", 1) for n in names], fontsize=8)
+        ax.set_xticks(range(len(vals)), [n.replace("-", "\n", 1) for n in names], fontsize=7)
         ax.set_title(ttl, fontsize=10)
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom",
@@ -426,12 +428,14 @@ def plot(med: dict, path: str, title: str) -> None:
         ax.margins(y=0.15)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_docs(docs: str, table: str) -> None:
     path = os.path.join(docs, "benchmarks.md")
+    os.makedirs(docs, exist_ok=True)
     if os.path.exists(path):
         text = open(path).read()
     else:

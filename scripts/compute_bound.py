@@ -100,6 +100,33 @@ def bandwidth_gbs(nbytes: int) -> dict:
     return {"read_gb_s": read, "copy_gb_s": copy}
 
 
+def linear_variants(s: dict, rows=(1, 8, 16, 64)) -> dict:
+    """ms per call of the decode-step projections, F.linear(x, W) against mm(W, x.T).T (the same
+    product with the weight as the tall operand), fp32 and bf16: the shape of the weight, not
+    the FLOPs, decides how far MKL's small-M GEMM is from the bandwidth bound."""
+    import torch
+    import torch.nn.functional as F
+    h, f, v = s["hidden"], s["ffn"], s["vocab"]
+    kv = s["kv_heads"] * s["head_dim"]
+    shapes = {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * f, h), "down": (h, f),
+              "lm_head": (v, h)}
+    out = {}
+    for name, (n, k) in shapes.items():
+        for dt in (torch.float32, torch.bfloat16):
+            w = torch.randn(n, k).to(dt)
+            for m in rows:
+                x = torch.randn(m, k).to(dt)
+                a = bench(lambda: F.linear(x, w), 0.3) * 1e3
+                b = bench(lambda: torch.mm(w, x.t()).t(), 0.3) * 1e3
+                out[f"{name}_{n}x{k}_{str(dt)[6:]}_m{m}"] = {
+                    "linear_ms": round(a, 4), "mm_w_xT_ms": round(b, 4),
+                    "bandwidth_bound_ms": round(n * k * w.element_size() / BW_READ[0] * 1e3, 4)}
+    return out
+
+
+BW_READ = [20e9]  # set from the measurement before linear_variants runs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
@@ -114,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default=None, help="bench_serve JSON lines")
     ap.add_argument("--label", default="freetoken-fp32")
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
+    ap.add_argument("--linear-variants", action="store_true",
+                    help="also time the decode projections as F.linear vs mm(W, x.T).T")
     args = ap.parse_args(argv)
 
     import torch
@@ -174,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
                    # for comparison: the compute bound of the same tokens (mean context 70)
                    "compute_bound_tokens_per_s_fp32": peak * 1e9 / (
                        flops_per_token(s, 70) + 2 * s["lm_head_params"])}}
+    if args.linear_variants:
+        BW_READ[0] = bw_read
+        out["linear_variants"] = linear_variants(s)
+        for k, r in out["linear_variants"].items():
+            print(f"  {k:<34} F.linear {r['linear_ms']:8.3f} ms   mm(W, x.T).T "
+                  f"{r['mm_w_xT_ms']:8.3f} ms   bandwidth bound {r['bandwidth_bound_ms']:7.3f} ms",
+                  file=sys.stderr)
     print(f"fp32 GEMM peak {peak:.1f} GFLOP/s; read bandwidth {bw['read_gb_s']:.1f} GB/s; "
           f"classify {computed:.1f} computed tokens/request = {fl_req / 1e9:.2f} GFLOP -> bound "
           f"{out['classify']['bound_requests_per_s_fp32']:.1f} req/s; decode fp32 bound "
