@@ -15,6 +15,7 @@ import hmac
 import inspect
 import json
 import logging
+import re
 import time
 import traceback
 import uuid
@@ -340,6 +341,7 @@ class _Handlers:
                 raise _ClientGone()
         except BaseException:
             work.cancel()
+            work.add_done_callback(_retrieve)  # no "exception was never retrieved" log
             for _, erid, _, _ in jobs:
                 self.engine.abort(erid)
             raise
@@ -499,11 +501,53 @@ class _ClientGone(Exception):
     pass
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # NOTE: only JSON escapes can smuggle in a lone one
+        _check_surrogates(body)
+    return body
+
+
+def _check_surrogates(body: Any) -> None:
+    """A lone UTF-16 surrogate ("\\ud800") is valid JSON but not Unicode text: it cannot be
+    tokenized or even written back in an error message. A 400 naming where it is."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = f"{where}.{k}" if where else str(k)
+                if not _is_utf8(k):
+                    raise InvalidRequest(
+                        "A field name holds a lone UTF-16 surrogate, which is not valid Unicode",
+                        param=where or None,
+                    )
+                stack.append((v, name))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str) and not _is_utf8(value):
+            raise InvalidRequest(
+                f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode", param=where
+            )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _wait_disconnect(request: Request) -> None:
