@@ -55,16 +55,21 @@ _NEG_INF = float("-inf")
 
 def backend_for(device: torch.device | str) -> str:
     """Which implementation serves tensors on `device`: "ext-cpu", "ext-cuda" or "torch"."""
-    dev = torch.device(device)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _backend_for_type(kind)
+
+
+@functools.cache
+def _backend_for_type(kind: str) -> str:
     name = "torch"
     if _MODE != "torch" and _C is not None:
-        if dev.type == "cpu":
+        if kind == "cpu":
             name = "ext-cpu"
-        elif dev.type == "cuda" and _C.cuda_compiled():
+        elif kind == "cuda" and _C.cuda_compiled():
             name = "ext-cuda"
         elif _MODE == "ext":
-            raise RuntimeError(f"FREETOKEN_OPS=ext but freetoken._C has no kernel for {dev}")
-    _log_choice(name, dev.type)
+            raise RuntimeError(f"FREETOKEN_OPS=ext but freetoken._C has no kernel for {kind}")
+    _log_choice(name, kind)
     return name
 
 
