@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_graceful_shutdown=args.shutdown_grace_s,
         ),
         engine,
+        app.state.stop_requests,
     )
     try:
         server.run()
@@ -301,14 +302,38 @@ def _make_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's Server, but a SIGTERM / SIGINT is a clean stop: uvicorn stops accepting,
-        lets the requests in flight finish (up to timeout_graceful_shutdown, then cancels them,
-        which aborts their engine requests), and the process exits 0 instead of re-raising
-        the signal after shutdown (uvicorn's default, which ends the process with -15)."""
+        """uvicorn's Server, but a SIGTERM / SIGINT is a clean stop: uvicorn stops accepting
+        and lets the requests in flight finish; when the grace period is over, the requests
+        still running are aborted in the engine, so each ends with a 503 (a stream with an
+        error event and [DONE]) instead of a cut connection; the process exits 0 instead of
+        re-raising the signal after shutdown (uvicorn's default, which ends it with -15)."""
 
-        def __init__(self, config, engine):
+        def __init__(self, config, engine, stop_requests):
             super().__init__(config)
             self.engine = engine
+            self.stop_requests = stop_requests
+
+        async def shutdown(self, sockets=None) -> None:
+            import asyncio
+
+            grace = self.config.timeout_graceful_shutdown
+            timer = None
+            if grace is not None:
+                timer = asyncio.get_running_loop().call_later(grace, self._grace_over)
+                # uvicorn's own cancel stays as the backstop, for a handler that ignores aborts
+                self.config.timeout_graceful_shutdown = grace + 5
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        def _grace_over(self) -> None:
+            n = self.stop_requests()
+            if n:
+                logging.getLogger("freetoken").warning(
+                    "shutdown grace period over: stopped %d engine requests", n
+                )
 
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit

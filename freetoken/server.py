@@ -167,6 +167,8 @@ class _Handlers:
         self.request_timeout_s = request_timeout_s or None
         # engine requests one HTTP request may hold (prompts x n): more could never be queued
         self.max_queue_len = getattr(getattr(engine, "config", None), "max_queue_len", None)
+        self.inflight: set[str] = set()  # engine request ids of the requests being served
+        self.stopping = False  # stop_requests() was called: the server is going down
         self.created = int(time.time())
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -245,15 +247,25 @@ class _Handlers:
                     index = i * parsed.n + j
                     erid = f"{rid}-{index}"
                     stream = await self._submit(prompt.ids, parsed.choice_params(j), erid)
+                    self.inflight.add(erid)
                     jobs.append((index, erid, stream, state_cls(self.tok, parsed, prompt)))
         except BaseException:
             for _, erid, _, _ in jobs:
                 self.engine.abort(erid)
+                self.inflight.discard(erid)
             raise
         return jobs
 
-    @staticmethod
-    def _check_out(out) -> None:
+    def stop_requests(self) -> int:
+        """Shutdown past its grace: abort every request in flight. Each then ends with a 503
+        (or a stream's error event) rather than being cut off mid-response."""
+        self.stopping = True
+        erids = list(self.inflight)
+        for erid in erids:
+            self.engine.abort(erid)
+        return len(erids)
+
+    def _check_out(self, out) -> None:
         if out.finish_reason == "error" or getattr(out, "error", None):
             # NOTE: the engine logged the traceback; the client gets the id, not the internals
             logger.error("request %s failed in the engine: %s", out.request_id, out.error)
@@ -262,6 +274,11 @@ class _Handlers:
                 code=out.request_id,
             )
         if out.finish_reason == "abort":  # not ours: we stop reading before we abort
+            if self.stopping:
+                raise EngineDead(
+                    "The server is shutting down and this request did not finish within the "
+                    "grace period (--shutdown-grace-s)."
+                )
             raise EngineDead("The engine stopped before this request finished.")
 
     def _usage(self, parsed, jobs) -> dict:
@@ -311,7 +328,7 @@ class _Handlers:
                 self._stream(request, parsed, rid, jobs, chat, t0, unfinished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(self._abort, unfinished),
+                background=BackgroundTask(self._finish_stream, unfinished, jobs),
             )
         return await self._collect(request, parsed, rid, jobs, chat, t0)
 
@@ -348,6 +365,7 @@ class _Handlers:
         finally:
             gone.cancel()
             watch.cancel()
+            self.inflight.difference_update(erid for _, erid, _, _ in jobs)
         usage = self._usage(parsed, jobs)
         self._account(request, usage, [s for *_, s in jobs], t0)
         model = self.model_name
@@ -361,6 +379,10 @@ class _Handlers:
         for erid in list(erids):
             self.engine.abort(erid)
         erids.clear()
+
+    def _finish_stream(self, unfinished: set[str], jobs) -> None:
+        self._abort(unfinished)
+        self.inflight.difference_update(erid for _, erid, _, _ in jobs)
 
     async def _stream(self, request, parsed, rid, jobs, chat, t0, unfinished: set[str]):
         created = int(time.time())
@@ -430,7 +452,7 @@ class _Handlers:
         finally:
             for t in tasks:
                 t.cancel()
-            self._abort(unfinished)
+            self._finish_stream(unfinished, jobs)
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ---------------------------------------------------------------------
@@ -707,4 +729,5 @@ def create_app(
         )
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.stop_requests = h.stop_requests  # for the CLI's shutdown past the grace
     return app
