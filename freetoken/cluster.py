@@ -36,7 +36,7 @@ from pathlib import Path
 
 DEFAULT_ROUTER_ARGS = (
     # The router drops a replica after one failed probe and takes it back after one good one;
-    # probes every 2 s with a 2 s timeout, so a dead replica is gone within ~4 s.
+    # probes every 2 s with a 2 s timeout, so a dead replica is marked unhealthy within ~4 s.
     "--health-check-interval-secs",
     "2",
     "--health-check-timeout-secs",
@@ -45,6 +45,14 @@ DEFAULT_ROUTER_ARGS = (
     "1",
     "--health-success-threshold",
     "1",
+    # A replica that stops answering trips its circuit breaker after two failed attempts; the
+    # router's retry (5 attempts, 50 ms backoff, a fresh worker choice each time) then goes to
+    # another replica, so a request caught by a crash is answered instead of failed. After 5 s
+    # the breaker lets one request through to test the replica again.
+    "--cb-failure-threshold",
+    "2",
+    "--cb-timeout-duration-secs",
+    "5",
     "--request-timeout-secs",
     "300",
     "--worker-startup-timeout-secs",
