@@ -47,7 +47,8 @@ def get_extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     debug = _flag("DEBUG")
-    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    # -g0: Python's own CFLAGS carry -g, which made the .so 16 MB of debug info
+    cxx = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     cxx += ["-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
     # NOTE: no -march: the wheel must run on any x86-64. The wide kernels are compiled per ISA
     # with `#pragma GCC target` in csrc/cpu_kernel_*.cpp and picked at load time (cpuid).
