@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("freetoken")
+    # NOTE: before torch is imported. Spinning OpenMP threads make small matmuls up to 100x
+    # slower on a shared CPU (measured: 16.9 vs 2.4 decode tok/s, generate.py); an explicit
+    # OMP_WAIT_POLICY from the user wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+    import torch
     import uvicorn
 
     from freetoken.config import EngineConfig
@@ -246,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = sum(t.numel() * t.element_size() for t in [*kv.k, *kv.v, kv.hidden]) if kv else 0
     log.info(
         "serving %s as %r: dtype=%s device=%s kernel backend=%s max_model_len=%d "
-        "kv cache=%d blocks x %d = %d tokens (%.0f MiB) prefix cache=%s",
+        "kv cache=%d blocks x %d = %d tokens (%.0f MiB) prefix cache=%s "
+        "threads=%d OMP_WAIT_POLICY=%s",
         path,
         name,
         str(config.torch_dtype).removeprefix("torch."),
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         blocks * config.block_size,
         kv_bytes / 2**20,
         "on" if config.enable_prefix_cache else "off",
+        torch.get_num_threads(),
+        os.environ["OMP_WAIT_POLICY"],
     )
     api_keys = split_list(args.api_key) or split_list([os.environ.get("FREETOKEN_API_KEY", "")])
     app = create_app(
