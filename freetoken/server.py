@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from freetoken import __version__, protocol
+from freetoken import __version__, protocol, responses
 from freetoken.errors import (
     BodyTooLarge,
     EngineDead,
@@ -240,7 +240,7 @@ class _Handlers:
     async def _start(self, parsed: protocol.ParsedRequest, rid: str, chat: bool):
         """Submit prompts x n engine requests up front, so a refusal is still an HTTP error."""
         jobs = []
-        state_cls = protocol.ChatChoiceState if chat else protocol.ChoiceState
+        state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
         try:
             for i, prompt in enumerate(parsed.prompts):
                 for j in range(parsed.n):
@@ -287,7 +287,7 @@ class _Handlers:
         prompt_tokens = sum(len(p.ids) for p in parsed.prompts)
         cached = sum(states[i * n].num_cached_tokens for i in range(len(parsed.prompts)))
         output = sum(s.num_output_tokens for s in states)
-        return protocol.usage_dict(prompt_tokens, output, cached)
+        return responses.usage_dict(prompt_tokens, output, cached)
 
     def _account(self, request: Request, usage: dict, states, t0: float) -> None:
         info = request.scope.get(_LOG_KEY, {})
@@ -343,7 +343,7 @@ class _Handlers:
                     first[0] = False
                     self.metrics.ttft.observe(time.perf_counter() - t0)
                 frags.append(state.feed(out))
-            return protocol.merge_fragments(frags)
+            return responses.merge_fragments(frags)
 
         work = asyncio.gather(*(run(stream, state) for _, _, stream, state in jobs))
         gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -370,10 +370,10 @@ class _Handlers:
         self._account(request, usage, [s for *_, s in jobs], t0)
         model = self.model_name
         if chat:
-            choices = [protocol.chat_choice(idx, frag) for (idx, *_), frag in zip(jobs, merged)]
-            return JSONResponse(protocol.chat_response(rid, model, choices, usage))
-        choices = [protocol.completion_choice(idx, frag) for (idx, *_), frag in zip(jobs, merged)]
-        return JSONResponse(protocol.completion_response(rid, model, choices, usage))
+            choices = [responses.chat_choice(idx, frag) for (idx, *_), frag in zip(jobs, merged)]
+            return JSONResponse(responses.chat_response(rid, model, choices, usage))
+        choices = [responses.completion_choice(idx, frag) for (idx, *_), frag in zip(jobs, merged)]
+        return JSONResponse(responses.completion_response(rid, model, choices, usage))
 
     def _abort(self, erids: set[str]) -> None:
         for erid in list(erids):
@@ -426,7 +426,7 @@ class _Handlers:
                     if not (frag.text or frag.logprobs or frag.finish_reason or first_chunk[index]):
                         continue
                     yield _sse(
-                        protocol.chat_chunk(
+                        responses.chat_chunk(
                             rid, model, created, index, frag, first=first_chunk[index]
                         )
                     )
@@ -435,12 +435,12 @@ class _Handlers:
                         frag.text or frag.logprobs or frag.finish_reason or frag.prompt_logprobs
                     ):
                         continue
-                    yield _sse(protocol.completion_chunk(rid, model, created, index, frag))
+                    yield _sse(responses.completion_chunk(rid, model, created, index, frag))
                 first_chunk[index] = False
             usage = self._usage(parsed, jobs)
             self._account(request, usage, [s for *_, s in jobs], t0)
             if parsed.include_usage:
-                yield _sse(protocol.usage_chunk(rid, model, created, obj, usage))
+                yield _sse(responses.usage_chunk(rid, model, created, obj, usage))
         except FreeTokenError as exc:
             self.metrics.errors.labels(exc.type).inc()
             logger.warning("%s failed mid-stream: %s", rid, exc.message)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from freetoken import protocol
+from freetoken import protocol, responses
 from freetoken.errors import ContextTooLong, InvalidRequest
 
 
@@ -392,7 +392,7 @@ def test_chat_refusals(body, param):
 
 def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
     p = parse({"prompt": [104, 105], "logprobs": 1, "max_tokens": 2})
-    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
     f1 = st.feed(Out([120], "x", [TL(120, -2.0, 3, [(50, -0.1)])], num_cached_tokens=1))
     f2 = st.feed(
         Out(
@@ -404,7 +404,7 @@ def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
             num_cached_tokens=1,
         )
     )
-    m = protocol.merge_fragments([f1, f2])
+    m = responses.merge_fragments([f1, f2])
     lp = m.logprobs.to_dict()
     assert m.text == "xy" and m.finish_reason == "length"
     assert lp["tokens"] == ["x", "y"] and lp["token_logprobs"] == [-2.0, -0.5]
@@ -415,7 +415,7 @@ def test_legacy_logprobs_top_k_plus_sampled_and_offsets():
 
 def test_token_id_keys_do_not_collide():
     p = parse({"prompt": [1], "logprobs": 2, "return_tokens_as_token_ids": True})
-    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
     # 0xC3 and 0xC4 both decode to U+FFFD alone: text keys would collide
     f = st.feed(
         Out(
@@ -433,7 +433,7 @@ def test_token_id_keys_do_not_collide():
 
 def test_echo_logprobs_first_null():
     p = parse({"prompt": [104, 105, 106], "logprobs": 1, "echo": True, "max_tokens": 1})
-    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
     plps = [None, TL(105, -1.0, 2, [(1, -0.5)]), TL(106, -2.0, 1, [(106, -2.0)])]
     f = st.feed(
         Out(
@@ -458,7 +458,7 @@ def test_score_only_drops_generated():
     p = parse(
         {"prompt": [104, 105], "logprobs": 0, "echo": True, "max_tokens": 0, "prompt_logprobs": 1}
     )
-    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
     plps = [None, TL(105, -1.0, 2, [(1, -0.5)])]
     f = st.feed(
         Out(
@@ -484,7 +484,7 @@ def test_score_only_drops_generated():
 def test_utf8_offsets_real():
     # "é" is two bytes, two tokens: both tokens start at char 0; "x" at char 1
     p = parse({"prompt": [1], "logprobs": 0})
-    st = protocol.ChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
     f = st.feed(Out([0xC3, 0xA9, 120], "éx", [TL(0xC3, -1), TL(0xA9, -1), TL(120, -1)]))
     assert f.logprobs.text_offset == [0, 0, 1]
 
@@ -498,7 +498,7 @@ def test_chat_logprobs_shape():
             "max_tokens": 2,
         }
     )
-    st = protocol.ChatChoiceState(TOK, p, p.prompts[0])
+    st = responses.ChatChoiceState(TOK, p, p.prompts[0])
     f = st.feed(
         Out(
             [65],
@@ -508,7 +508,7 @@ def test_chat_logprobs_shape():
             finish_reason="stop",
         )
     )
-    c = protocol.chat_choice(0, f)
+    c = responses.chat_choice(0, f)
     assert c["message"] == {"role": "assistant", "content": "A"}
     assert c["logprobs"]["content"] == [
         {
@@ -522,7 +522,7 @@ def test_chat_logprobs_shape():
 
 
 def test_usage_dict():
-    u = protocol.usage_dict(5, 2, 3)
+    u = responses.usage_dict(5, 2, 3)
     assert u == {
         "prompt_tokens": 5,
         "completion_tokens": 2,
