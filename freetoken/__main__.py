@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.loader import default_model_path, load_model
+    from freetoken.loading import LoadingServer
     from freetoken.server import create_app
 
     try:
@@ -232,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     if not path.exists():
         print(f"freetoken: --model {path}: no such file or directory", file=sys.stderr)
         return 2
+    # /health (and every route) answers 503 while the model loads, not a refused connection.
+    placeholder = LoadingServer(args.host, args.port).start()
     try:
         loaded = load_model(path, dtype=config.torch_dtype, device=config.device)
         engine = Engine(config, loaded)
     except (ValueError, RuntimeError, OSError) as exc:  # a bad file, device or budget
+        placeholder.stop()
         print(f"freetoken: cannot serve {path}: {exc}", file=sys.stderr)
         return 2
     engine.start()
@@ -299,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         engine,
         app.state.stop_requests,
     )
+    placeholder.stop()  # the real server binds the port next: the gap is one bind
     try:
         server.run()
     finally:
