@@ -205,7 +205,8 @@ def run_all(args, servers: list[Server], gguf: str, resdir: str) -> list[dict]:
                         if rep == 0 else None
                     cmd = [sys.executable, os.path.join(HERE, "peer_transformers.py"),
                            "--model", gguf, "-n", str(args.transformers_n),
-                           "--threads", str(args.threads), "--workload", wl]
+                           "--threads", str(args.threads), "--workload", wl,
+                           "--seed", str(rep)]
                     if dump:
                         cmd += ["--dump", dump]
                     log(f"{wl} rep {rep + 1}/{args.reps}: transformers "
@@ -226,9 +227,11 @@ def run_all(args, servers: list[Server], gguf: str, resdir: str) -> list[dict]:
                 dump = os.path.join(resdir, f"dump-{name}-{wl}.jsonl") \
                     if rep == 0 and wl.startswith("classify") else None
                 log(f"{wl} rep {rep + 1}/{args.reps}: {name}")
+                # a fresh seed per rep: the same 200 prompts again would be served whole
+                # from FreeToken's prefix cache (not from llama-server's per-slot one)
                 r = bench_serve.run_once(s.url, wl, n=n_for[wl], flavor=s.flavor, label=name,
-                                         warmup=2, dump=dump, extra={"system": name,
-                                                                     "rep": rep})
+                                         seed=rep, warmup=2, dump=dump,
+                                         extra={"system": name, "rep": rep})
                 if r["errors"]:
                     log(f"{name} {wl}: {r['errors']} errors, first: {r.get('first_error')}")
                 recs.append(r)

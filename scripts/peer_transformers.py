@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     or os.cpu_count())
     ap.add_argument("--mode", choices=["naive", "prefix", "both"], default="both")
     ap.add_argument("--workload", choices=["classify", "classify-multi"], default="classify")
+    ap.add_argument("--seed", type=int, default=0, help="bench_serve's review seed")
     ap.add_argument("--label", default="transformers")
     ap.add_argument("--dump", default=None, help="per-request top-2 (JSONL) of the prefix mode, "
                     "or of naive when only naive runs")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     tok, model = load(args.model or default_gguf())
     print(f"transformers {__import__('transformers').__version__}: loaded in "
           f"{time.perf_counter() - t0:.1f}s, {args.threads} threads", file=sys.stderr)
-    reqs = bench_serve.build_workload(args.workload, args.num_requests)
+    reqs = bench_serve.build_workload(args.workload, args.num_requests, seed=args.seed)
     prompts = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
     if tok.bos_token_id is not None and getattr(tok, "add_bos_token", False):
         prompts = [[tok.bos_token_id] + p for p in prompts]
