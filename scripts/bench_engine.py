@@ -19,7 +19,6 @@ import asyncio
 import gc
 import json
 import os
-import random
 import sys
 import time
 
@@ -28,57 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+# The workloads are bench_serve's (the same prompts through the engine API and over HTTP).
+from bench_serve import DECODE_PROMPTS, PREFIX, reviews  # noqa: E402
+
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
 from freetoken.sampling_params import SamplingParams  # noqa: E402
-
-PREFIX = (
-    "You are a careful assistant. Classify the sentiment of each product review as Positive or "
-    "Negative. Answer with one word.\n\n"
-    "Review: The blender broke after two days and the seller never answered my emails.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Absolutely love this jacket, it is warm, light and the zipper feels solid.\n"
-    "Sentiment: Positive\n\n"
-    "Review: The headphones sound muddy and the left ear stopped working within a week.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Great value for the price; my kids use this tablet every day without issues.\n"
-    "Sentiment: Positive\n\n"
-    "Review: Shipping took a month and the box arrived crushed with pieces missing inside.\n"
-    "Sentiment: Negative\n\n"
-    "Review: This coffee maker is quiet, fast and the coffee tastes better than the cafe.\n"
-    "Sentiment: Positive\n\n"
-)
-
-_PRODUCTS = ["vacuum", "laptop stand", "rain coat", "desk lamp", "kettle", "phone case",
-             "backpack", "air fryer", "keyboard", "water bottle", "monitor", "tent"]
-_GOOD = ["works perfectly", "exceeded my expectations", "feels premium", "was easy to set up",
-         "is worth every penny", "arrived early and well packed"]
-_BAD = ["stopped working", "feels cheap and flimsy", "smells like burnt plastic",
-        "was missing parts", "is far too loud", "broke on the first use"]
-_TAIL = ["I would recommend it to friends.", "I am returning it tomorrow.",
-         "My partner noticed the difference immediately.", "Customer service was polite.",
-         "The instructions were confusing though.", "Not sure I would buy it again."]
-
-
-def reviews(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        verdict = rng.choice(_GOOD if i % 2 else _BAD)
-        out.append(f"The {rng.choice(_PRODUCTS)} I bought in week {i} {verdict} after "
-                   f"{rng.randint(2, 30)} days. {rng.choice(_TAIL)}")
-    return out
-
-
-DECODE_PROMPTS = [
-    "Write a story about a dragon.", "Explain how a bicycle works.", "List facts about Mars.",
-    "Describe your ideal breakfast.", "What is the history of Rome?", "How do magnets work?",
-    "Tell me about the ocean.", "Give advice to a new programmer.", "Why is the sky blue?",
-    "Describe a walk in the forest.", "How does a compiler work?", "Write a letter to a friend.",
-    "What makes a good teacher?", "Explain photosynthesis simply.", "Plan a trip to Japan.",
-    "Describe the life of a bee.",
-]
 
 
 def progress(msg: str) -> None:
