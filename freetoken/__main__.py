@@ -184,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
         "so cached_tokens counts every shared token, not only whole 16-token blocks",
     )
     p.add_argument(
+        "--arrival-window-ms",
+        type=float,
+        default=10.0,
+        help="an idle engine waits up to this long for a burst of requests to arrive, so they "
+        "share one step (0: start at once)",
+    )
+    p.add_argument(
+        "--arrival-gap-ms",
+        type=float,
+        default=2.0,
+        help="... and stops waiting once no request arrived for this long",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -224,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             enable_partial_block_reuse=args.partial_block_reuse,
             max_logprobs=args.max_logprobs,
             max_queue_len=args.max_queue_len,
+            arrival_window_ms=args.arrival_window_ms,
+            arrival_gap_ms=args.arrival_gap_ms,
         )
     except ValueError as exc:
         print(f"freetoken: {exc}", file=sys.stderr)

@@ -35,6 +35,10 @@ class EngineConfig:
     enable_partial_block_reuse: bool = False
     max_logprobs: int = 20
     max_queue_len: int = 1024              # waiting requests before submit() raises Overloaded
+    # An idle engine admits a burst of requests into one step: it waits while they arrive within
+    # arrival_gap_ms of each other, at most arrival_window_ms (0: off). See Engine._await_burst.
+    arrival_window_ms: float = 10.0
+    arrival_gap_ms: float = 2.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -58,6 +62,10 @@ class EngineConfig:
             raise ValueError(f"device is not a torch device: {self.device!r}") from exc
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        for name in ("arrival_window_ms", "arrival_gap_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number of ms >= 0, got {value!r}")
         for name in ("enable_prefix_cache", "enable_partial_block_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -285,15 +285,41 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_inbox(block=not self.scheduler.has_work())
+            idle = not self.scheduler.has_work()
+            self._drain_inbox(block=idle)
             if self._stopping:
                 break
             if not self.scheduler.has_work():
                 continue
+            if idle:
+                self._await_burst()
             self._step()
         for seq in self.scheduler.abort_all("abort"):
             self._post(seq)
         self._drain_inbox(block=False, reject=True)
+
+    def _await_burst(self) -> None:
+        """An idle engine that just got a request waits a moment for the ones right behind it.
+
+        NOTE: clients with N requests in flight send their next ones right after a step finishes
+        theirs, a few ms apart. Admitting only the first runs a one-sequence step while the rest
+        queue behind it, and the steps stay ragged from then on (measured at 8 in flight, classify:
+        4.3 sequences per step on average, ~15% of the throughput lost). So the engine keeps
+        admitting while requests arrive within arrival_gap_ms of each other, for at most
+        arrival_window_ms (0 turns it off); a lone request pays one gap."""
+        window_s = self.config.arrival_window_ms / 1e3
+        gap_s = self.config.arrival_gap_ms / 1e3
+        deadline = time.monotonic() + window_s
+        while len(self.scheduler.waiting) + len(self.scheduler.running) < self.config.max_num_seqs:
+            timeout = min(gap_s, deadline - time.monotonic())
+            if timeout <= 0:
+                return
+            try:
+                msg = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                return
+            self._handle(msg, reject=False)
+            self._drain_inbox(block=False)
 
     def _drain_inbox(self, block: bool, reject: bool = False) -> None:
         try:
@@ -301,22 +327,25 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            kind, obj = msg
-            if kind == "add":
-                if reject:
-                    obj.finish("abort")
-                    self._post(obj)
-                else:
-                    self.totals["prompt_tokens_total"] += obj.num_prompt_tokens
-                    self.scheduler.add(obj)
-            elif kind == "abort":
-                seq = self.scheduler.abort(obj)
-                if seq is not None:
-                    self._post(seq)
+            self._handle(msg, reject)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle(self, msg: tuple, reject: bool) -> None:
+        kind, obj = msg
+        if kind == "add":
+            if reject:
+                obj.finish("abort")
+                self._post(obj)
+            else:
+                self.totals["prompt_tokens_total"] += obj.num_prompt_tokens
+                self.scheduler.add(obj)
+        elif kind == "abort":
+            seq = self.scheduler.abort(obj)
+            if seq is not None:
+                self._post(seq)
 
     def _step(self) -> None:
         """One step. NOTE: an exception fails only the sequences of this step (finish_reason

@@ -381,7 +381,7 @@ def render(med: dict, bounds: dict | None, dr: dict, args, started: str, took: f
         lines.append(
             f"Machine bounds (scripts/compute_bound.py, {bounds['threads']} threads): fp32 GEMM "
             f"{bounds['gemm_gflops_peak_fp32']:.0f} GFLOP/s (best of "
-            + ", ".join(f"{k} {v:.0f}" for k, v in g.items())
+            + ", ".join(f"{k} {lib} {v:.0f}" for k, d in g.items() for lib, v in d.items())
             + f"), read bandwidth {bw['read_gb_s']:.1f} GB/s, copy {bw['copy_gb_s']:.1f} GB/s. "
             f"Classify computes {c['computed_tokens_per_request']:.1f} tokens per request "
             f"({c['computed_tokens_source']}) = {c['gflop_per_request']:.2f} GFLOP with the "

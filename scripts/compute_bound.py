@@ -2,8 +2,10 @@
 """This machine's fp32 bounds for the benchmark workloads.
 
 Measures, with torch on the CPU and --threads threads:
-  * fp32 GEMM GFLOP/s: a large square matmul (the peak) and the model's own shapes (the token
-    count of one batched classify step x the SmolLM2 projections, and an 8-row decode step);
+  * fp32 GEMM GFLOP/s, through MKL (torch.mm) and through oneDNN with a pre-packed weight (what
+    FreeToken's model runs, freetoken/model/linear.py): a large square matmul and the model's own
+    shapes (the token count of one batched classify step x the SmolLM2 projections, and an 8-row
+    decode step); the peak is the best of them all;
   * memory bandwidth: a read-only pass (sum) and a copy over buffers far larger than the caches.
 Then, from the GGUF's shapes (block count, hidden, ffn, heads, vocab):
   * classify: FLOPs of the tokens actually computed per request (the uncached prompt tail through
@@ -27,6 +29,7 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def default_gguf() -> str:
@@ -85,10 +88,17 @@ def bench(fn, min_time: float = 0.6, warm: int = 2) -> float:
             return best
 
 
-def gemm_gflops(m: int, k: int, n: int, dtype) -> float:
+def gemm_gflops(m: int, k: int, n: int, dtype) -> dict:
+    """[m, k] x [k, n] GFLOP/s: {"mkl": torch.mm, "onednn": the packed linear (if available)}."""
     import torch
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    return 2 * m * k * n / bench(lambda: torch.mm(a, b)) / 1e9
+    out = {"mkl": 2 * m * k * n / bench(lambda: torch.mm(a, b)) / 1e9}
+    from freetoken.model.linear import linear, pack_weight, packing_available
+    w = b.t().contiguous()  # [n, k], the layout of a linear layer's weight
+    if packing_available(w):
+        packed = pack_weight(w)
+        out["onednn"] = 2 * m * k * n / bench(lambda: linear(a, packed, None)) / 1e9
+    return out
 
 
 def bandwidth_gbs(nbytes: int) -> dict:
@@ -101,11 +111,12 @@ def bandwidth_gbs(nbytes: int) -> dict:
 
 
 def linear_variants(s: dict, rows=(1, 8, 16, 64)) -> dict:
-    """ms per call of the decode-step projections, F.linear(x, W) against mm(W, x.T).T (the same
-    product with the weight as the tall operand), fp32 and bf16: the shape of the weight, not
-    the FLOPs, decides how far MKL's small-M GEMM is from the bandwidth bound."""
+    """ms per call of the decode-step projections, F.linear(x, W) (MKL) against oneDNN with the
+    weight pre-packed (freetoken/model/linear.py), fp32 and bf16, next to the bandwidth bound."""
     import torch
     import torch.nn.functional as F
+
+    from freetoken.model.linear import linear, pack_weight
     h, f, v = s["hidden"], s["ffn"], s["vocab"]
     kv = s["kv_heads"] * s["head_dim"]
     shapes = {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * f, h), "down": (h, f),
@@ -114,12 +125,13 @@ def linear_variants(s: dict, rows=(1, 8, 16, 64)) -> dict:
     for name, (n, k) in shapes.items():
         for dt in (torch.float32, torch.bfloat16):
             w = torch.randn(n, k).to(dt)
+            packed = pack_weight(w)
             for m in rows:
                 x = torch.randn(m, k).to(dt)
                 a = bench(lambda: F.linear(x, w), 0.3) * 1e3
-                b = bench(lambda: torch.mm(w, x.t()).t(), 0.3) * 1e3
+                b = bench(lambda: linear(x, packed, None), 0.3) * 1e3
                 out[f"{name}_{n}x{k}_{str(dt)[6:]}_m{m}"] = {
-                    "linear_ms": round(a, 4), "mm_w_xT_ms": round(b, 4),
+                    "linear_ms": round(a, 4), "onednn_ms": round(b, 4),
                     "bandwidth_bound_ms": round(n * k * w.element_size() / BW_READ[0] * 1e3, 4)}
     return out
 
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="freetoken-fp32")
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
     ap.add_argument("--linear-variants", action="store_true",
-                    help="also time the decode projections as F.linear vs mm(W, x.T).T")
+                    help="also time the decode projections as F.linear vs oneDNN packed")
     args = ap.parse_args(argv)
 
     import torch
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         g["square_2048_bf16"] = gemm_gflops(2048, 2048, 2048, torch.bfloat16)
     except Exception:  # noqa: BLE001
         pass
-    peak = max(x for k, x in g.items() if not k.endswith("bf16"))
+    peak = max(x for k, d in g.items() if not k.endswith("bf16") for x in d.values())
     bw = bandwidth_gbs(args.bandwidth_mib << 20)
 
     ctx = (prompt + (prompt - computed)) / 2  # mean keys seen by the computed tail tokens
@@ -207,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         BW_READ[0] = bw_read
         out["linear_variants"] = linear_variants(s)
         for k, r in out["linear_variants"].items():
-            print(f"  {k:<34} F.linear {r['linear_ms']:8.3f} ms   mm(W, x.T).T "
-                  f"{r['mm_w_xT_ms']:8.3f} ms   bandwidth bound {r['bandwidth_bound_ms']:7.3f} ms",
+            print(f"  {k:<34} F.linear {r['linear_ms']:8.3f} ms   oneDNN packed "
+                  f"{r['onednn_ms']:8.3f} ms   bandwidth bound {r['bandwidth_bound_ms']:7.3f} ms",
                   file=sys.stderr)
     print(f"fp32 GEMM peak {peak:.1f} GFLOP/s; read bandwidth {bw['read_gb_s']:.1f} GB/s; "
           f"classify {computed:.1f} computed tokens/request = {fl_req / 1e9:.2f} GFLOP -> bound "

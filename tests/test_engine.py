@@ -335,3 +335,32 @@ def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine
     assert good.finish_reason == "length" and len(good.new_token_ids) == 3
     st = eng.stats()
     assert st["step_errors_total"] == 1 and st["kv_blocks_used"] == 0 and eng.is_alive()
+
+
+def test_an_idle_engine_admits_a_burst_into_one_step(make_engine, tok):
+    """Requests arriving a few ms apart at an idle engine share one step (Engine._await_burst);
+    a lone request waits one quiet gap (0.4 s here), not the whole window (3 s)."""
+    import threading
+    import time
+
+    eng = make_engine(arrival_window_ms=3000, arrival_gap_ms=400)
+    steps = []
+    real = eng.runner.execute
+    eng.runner.execute = lambda out: steps.append(len(out.scheduled)) or real(out)
+    prompts = [tok.encode(f"Review {i}: fine.\nSentiment:") for i in range(4)]
+    done = [threading.Event() for _ in prompts]
+
+    def submit(i):
+        eng.add_request(prompts[i], greedy(max_tokens=1), f"burst-{i}",
+                        lambda out, i=i: out.finished and done[i].set())
+
+    for i in range(4):  # 50 ms apart: well inside the gap
+        submit(i)
+        time.sleep(0.05)
+    assert all(d.wait(60) for d in done)
+    assert steps == [4]
+
+    start = time.monotonic()
+    lone = eng.generate([prompts[0]], greedy(max_tokens=1))[0]
+    assert lone.finished and steps[-1] == 1
+    assert 0.4 <= time.monotonic() - start < 2.5

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from freetoken.model.config import ModelConfig
 from freetoken.model.llama import LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
+
+logger = logging.getLogger("freetoken.model")
 
 
 def build_model(
@@ -19,9 +23,12 @@ def build_model(
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
     Built on the meta device (no random init), then each parameter is replaced by its HF-named
-    tensor from `weights` (consumed), on `device` in `dtype`.
+    tensor from `weights` (consumed), on `device` in `dtype`. On CPU the projections are then
+    packed for oneDNN (model/linear.py).
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_weights(weights, dtype=dtype, device=device)
+    packed = model.pack_linears()
+    logger.info("linear layers: %s", "oneDNN, pre-packed weights" if packed else "torch F.linear")
     return model.eval()

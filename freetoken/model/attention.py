@@ -2,13 +2,18 @@
 block_table, attend with torch SDPA.
 
 This is the pure-torch path (the fallback for everything): the context is gathered from the pool
-into a dense tensor per step. Decode sequences (one query token each) are attended in one padded,
-masked SDPA call; sequences with several query tokens (prefill, chunked prefill) one call each.
+block by block into a dense tensor per step. Sequences are attended in padded groups, one SDPA
+call per group and layer: every decode sequence (one query token) in one group; the sequences with
+several query tokens (prefill, chunked prefill, a prompt behind a cached prefix) in another, unless
+padding them to the longest would more than double the work, in which case each goes alone. A
+prompt alone with no cached context is causal over its fresh K/V, with no gather.
 Not here: block allocation, prefix hashing (kv_cache.py), any policy.
 """
 
 from __future__ import annotations
 
+import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +21,32 @@ import torch.nn.functional as F
 
 from freetoken.batch import ForwardBatch
 
+MAX_PADDING_WASTE = 2.0  # a padded group may cost at most this many times its real query x key work
+
 
 @dataclass(slots=True)
-class PrefillPiece:
-    """One sequence with several query tokens this step."""
+class AttentionGroup:
+    """S sequences in one padded SDPA call: Q query rows each (the group's longest; a shorter
+    sequence repeats its last query token, whose output is dropped) over L context positions."""
 
-    q_start: int  # its tokens are q_start:q_end of the step
+    num_seqs: int
+    num_q: int
+    # [S*Q] token index (into T) of each padded row; None: they are rows_start..rows_start+S*Q
+    q_rows: torch.Tensor | None
+    rows_start: int
+    keep: torch.Tensor | None  # [Tg] which padded rows are real; None = all
+    out_rows: torch.Tensor | None  # [Tg] where the real rows go in T; None = all of T, in order
+    block_table: torch.Tensor  # [S, nb] int64 blocks covering the context (padding: block 0)
+    ctx_len: int  # L
+    mask: torch.Tensor  # [S, 1, Q, L] additive: 0 = attend, -inf = not (bool costs SDPA a where)
+
+
+@dataclass(slots=True)
+class FreshPrefill:
+    """A sequence whose whole context is computed this step, alone: causal over its fresh K/V."""
+
+    q_start: int
     q_end: int
-    ctx_slots: torch.Tensor | None  # [L] int64 flat KV slots of its context; None = no prefix
-    mask: torch.Tensor | None  # [1, 1, q, L] bool (True = attend); None = plain causal
 
 
 @dataclass(slots=True)
@@ -33,69 +55,96 @@ class AttentionMetadata:
     layer). Plain data; passed down explicitly, never stored on a module."""
 
     slot_mapping: torch.Tensor  # [T] int64
-    decode_token_idx: torch.Tensor | None  # [Sd] int64 indices into T of one-token sequences
-    decode_ctx_slots: torch.Tensor | None  # [Sd, Ld] int64 (padding points at slot 0, masked)
-    decode_mask: torch.Tensor | None  # [Sd, 1, 1, Ld] bool
-    prefills: list[PrefillPiece]
+    groups: list[AttentionGroup]
+    fresh: list[FreshPrefill]
 
 
-def _context_slots(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
-    # block_table: [..., max_blocks] int32 -> slots [..., num_positions] int64 for positions 0..L-1
-    pos = torch.arange(num_positions, device=block_table.device)
-    block_idx = (pos // block_size).clamp_(max=block_table.shape[-1] - 1)
-    blocks = block_table[..., block_idx].long()  # [..., L]
-    return blocks * block_size + pos % block_size
+def _make_group(
+    members: list[int],
+    batch: ForwardBatch,
+    block_tables: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> AttentionGroup:
+    device = batch.slot_mapping.device
+    qsl = batch.query_start_loc
+    num_q = [qsl[s + 1] - qsl[s] for s in members]
+    lens = [batch.seq_lens[s] for s in members]
+    S, Q, L = len(members), max(num_q), max(lens)  # noqa: N806 - the shapes' names
+    nb = -(-L // block_size)
+    rows = [qsl[s] + min(i, n - 1) for s, n in zip(members, num_q) for i in range(Q)]
+    contiguous = rows == list(range(rows[0], rows[0] + S * Q))
+    keep = None if min(num_q) == Q else [s * Q + i for s, n in enumerate(num_q) for i in range(n)]
+    # Position of each padded query row: a padding row repeats its sequence's last token.
+    last_pos = torch.tensor([n - 1 for n in lens], device=device)[:, None]  # [S, 1]
+    offset = torch.tensor([n - q for n, q in zip(lens, num_q)], device=device)[:, None]
+    q_pos = torch.minimum(offset + torch.arange(Q, device=device)[None, :], last_pos)  # [S, Q]
+    k_pos = torch.arange(L, device=device)  # [L]
+    visible = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
+    if sliding_window is not None:
+        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, -math.inf)
+    real_rows = [qsl[s] + i for s, n in zip(members, num_q) for i in range(n)]
+    everything = real_rows == list(range(batch.num_tokens))
+    long = dict(dtype=torch.long, device=device)
+    return AttentionGroup(
+        num_seqs=S,
+        num_q=Q,
+        q_rows=None if contiguous else torch.tensor(rows, **long),
+        rows_start=rows[0],
+        keep=None if keep is None else torch.tensor(keep, **long),
+        out_rows=None if everything else torch.tensor(real_rows, **long),
+        block_table=block_tables[members, :nb].long(),
+        ctx_len=L,
+        mask=mask[:, None],
+    )
 
 
 def build_attention_metadata(
-    batch: ForwardBatch, block_size: int, sliding_window: int | None = None
+    batch: ForwardBatch,
+    block_size: int,
+    sliding_window: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    device = batch.slot_mapping.device
+    """dtype: the model's (queries and masks)."""
     qsl = batch.query_start_loc
-    block_tables = batch.block_tables.to(device)
-    decode_seqs, prefills = [], []
+    block_tables = batch.block_tables.to(batch.slot_mapping.device)
+    decodes, multi = [], []
     for s, seq_len in enumerate(batch.seq_lens):
-        q_start, q_end = qsl[s], qsl[s + 1]
-        num_q = q_end - q_start
+        num_q = qsl[s + 1] - qsl[s]
         if num_q <= 0:
             continue
         if num_q > seq_len:
             raise ValueError(f"sequence {s} has {num_q} query tokens but seq_len {seq_len}")
-        if num_q == 1:
-            decode_seqs.append(s)
-            continue
-        if seq_len == num_q and sliding_window is None:
-            # Whole context computed this step: causal over the fresh K/V, no gather needed.
-            prefills.append(PrefillPiece(q_start, q_end, None, None))
-            continue
-        slots = _context_slots(block_tables[s], seq_len, block_size)  # [L]
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=device)  # [q]
-        k_pos = torch.arange(seq_len, device=device)  # [L]
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        prefills.append(PrefillPiece(q_start, q_end, slots, mask[None, None]))
+        (decodes if num_q == 1 else multi).append(s)
 
-    decode_idx = decode_slots = decode_mask = None
-    if decode_seqs:
-        lens = [batch.seq_lens[s] for s in decode_seqs]
-        seq_lens = torch.tensor(lens, device=device)  # [Sd]
-        max_len = max(lens)  # from the host list: no device sync
-        decode_slots = _context_slots(block_tables[decode_seqs], max_len, block_size)  # [Sd, Ld]
-        k_pos = torch.arange(max_len, device=device)[None, :]  # [1, Ld]
-        valid = k_pos < seq_lens[:, None]  # [Sd, Ld]
-        if sliding_window is not None:
-            valid &= k_pos > seq_lens[:, None] - 1 - sliding_window
-        decode_slots = torch.where(valid, decode_slots, 0)
-        decode_mask = valid[:, None, None, :]
-        decode_idx = torch.tensor([qsl[s] for s in decode_seqs], device=device)
-    return AttentionMetadata(batch.slot_mapping, decode_idx, decode_slots, decode_mask, prefills)
+    def make(members):
+        return _make_group(members, batch, block_tables, block_size, sliding_window, dtype)
+
+    groups, fresh = [], []
+    if decodes:
+        groups.append(make(decodes))
+    if len(multi) > 1:
+        q_len = [qsl[s + 1] - qsl[s] for s in multi]
+        lens = [batch.seq_lens[s] for s in multi]
+        real = sum(q * n for q, n in zip(q_len, lens))
+        if len(multi) * max(q_len) * max(lens) <= MAX_PADDING_WASTE * real:
+            groups.append(make(multi))
+            multi = []
+    for s in multi:
+        if batch.seq_lens[s] == qsl[s + 1] - qsl[s] and sliding_window is None:
+            fresh.append(FreshPrefill(qsl[s], qsl[s + 1]))
+        else:
+            groups.append(make([s]))
+    return AttentionMetadata(batch.slot_mapping, groups, fresh)
 
 
-def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # flat: [num_slots, kvh, hd]; slots: [..., L] -> [..., L, kvh, hd] in `dtype`
-    out = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
-    return out.to(dtype)
+def _gather_context(cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    # cache: [NB, bs, kvh, hd] -> [S, kvh, L, hd] in `dtype`, by whole blocks
+    blocks = cache.index_select(0, group.block_table.reshape(-1))  # [S*nb, bs, kvh, hd]
+    ctx = blocks.view(group.num_seqs, -1, *cache.shape[2:])[:, : group.ctx_len]
+    return ctx.to(dtype).transpose(1, 2)
 
 
 def paged_attention(
@@ -106,43 +155,60 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    elementwise=nullcontext,
 ) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (RoPE applied); k_cache, v_cache: [NB, bs, kvh, hd].
 
     Writes k/v at meta.slot_mapping, then attends. Returns [T, nh, hd] in q's dtype.
+    `elementwise` is the thread context of the copies and gathers (see model/llama.py); SDPA
+    itself runs on every thread.
     """
-    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [NB*bs, kvh, hd]
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    # NOTE: index_copy_/index_select over flat slots, not advanced indexing: ~3x faster on CPU.
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-    out = torch.empty_like(q)  # [T, nh, hd]
+    num_tokens, num_heads, head_dim = q.shape
+    with elementwise():
+        num_kv_heads = k_cache.shape[-2]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [NB*bs, kvh, hd]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        # NOTE: index_copy_ over flat slots, not advanced indexing: ~3x faster on CPU.
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
-    if meta.decode_token_idx is not None:
-        qd = q[meta.decode_token_idx].unsqueeze(2)  # [Sd, nh, 1, hd]
-        kd = _gather(k_flat, meta.decode_ctx_slots, q.dtype).transpose(1, 2)  # [Sd, kvh, Ld, hd]
-        vd = _gather(v_flat, meta.decode_ctx_slots, q.dtype).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )  # [Sd, nh, 1, hd]
-        out[meta.decode_token_idx] = od.squeeze(2)
+    everything = slice(0, num_tokens)
+    outputs = []  # (rows of T: a slice or an index tensor, [rows, nh, hd])
+    for g in meta.groups:
+        S, Q = g.num_seqs, g.num_q  # noqa: N806
+        with elementwise():
+            if g.q_rows is None:
+                qg = q[g.rows_start : g.rows_start + S * Q]
+            else:
+                qg = q.index_select(0, g.q_rows)
+            qg = qg.view(S, Q, num_heads, head_dim).transpose(1, 2)  # [S, nh, Q, hd]
+            kg = _gather_context(k_cache, g, q.dtype)  # [S, kvh, L, hd]
+            vg = _gather_context(v_cache, g, q.dtype)
+        og = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
+        )  # [S, nh, Q, hd]
+        with elementwise():
+            og = og.transpose(1, 2).reshape(S * Q, num_heads, head_dim)
+            rows = everything if g.out_rows is None else g.out_rows
+            outputs.append((rows, og if g.keep is None else og.index_select(0, g.keep)))
 
-    for piece in meta.prefills:
+    for piece in meta.fresh:
         a, b = piece.q_start, piece.q_end
         qp = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, nh, q, hd]
-        if piece.ctx_slots is None:
-            kp = k[a:b].to(k_flat.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, q, hd]
-            vp = v[a:b].to(v_flat.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-            )
-        else:
-            kp = _gather(k_flat, piece.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            vp = _gather(v_flat, piece.ctx_slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            # kp, vp: [1, kvh, L, hd]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=piece.mask, scale=scale, enable_gqa=True
-            )
-        out[a:b] = op[0].transpose(0, 1)  # [q, nh, hd]
+        # Rounded through the cache dtype, as a later step reading the pool would see them.
+        kp = k[a:b].to(k_flat.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, q, hd]
+        vp = v[a:b].to(v_flat.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                            enable_gqa=True)
+        outputs.append((slice(a, b), op[0].transpose(0, 1)))
+
+    if len(outputs) == 1 and outputs[0][0] == everything:
+        return outputs[0][1]
+    with elementwise():
+        out = torch.empty_like(q)  # [T, nh, hd]
+        for rows, o in outputs:
+            if isinstance(rows, slice):
+                out[rows] = o
+            else:
+                out.index_copy_(0, rows, o)
     return out

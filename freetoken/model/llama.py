@@ -11,6 +11,7 @@ block tables come in the ForwardBatch.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 from freetoken.batch import ForwardBatch, KVCache
 from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from freetoken.model.config import ModelConfig
+from freetoken.model.linear import Linear, linear, pack_weight, packing_available
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +65,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+# NOTE: with OMP_WAIT_POLICY=PASSIVE (which the server and every benchmark set: spinning OpenMP
+# threads wreck a shared machine) each parallel region wakes the sleeping workers, ~40 us here. An
+# RMSNorm over 224 x 576 fp32 took 194 us on 2 threads and 47 us on one. So the elementwise ops
+# between the matmuls run on one thread when the step is small; matmuls and attention keep all.
+ONE_THREAD_MAX_ELEMENTS = 1 << 20  # of the [T, hidden] activations; above it, all threads
+
+
+@contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def elementwise_threads(num_tokens: int, hidden_size: int):
+    """The context the elementwise ops of a forward over num_tokens run in."""
+    small = num_tokens * hidden_size <= ONE_THREAD_MAX_ELEMENTS
+    return _one_thread if small and torch.get_num_threads() > 1 else nullcontext
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -74,10 +99,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -90,18 +115,21 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        elementwise=nullcontext,
     ) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, 1, hd]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, nh, hd]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, nh, hd]
+        with elementwise():
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, nh, hd]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        # out: [T, nh, hd]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, elementwise)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -109,16 +137,18 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, elementwise=nullcontext) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        with elementwise():
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -129,9 +159,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, elementwise=nullcontext):
+        with elementwise():
+            h = self.input_layernorm(x)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, elementwise)
+        with elementwise():
+            x = x + h
+            h = self.post_attention_layernorm(x)
+        h = self.mlp(h, elementwise)
+        with elementwise():
+            return x + h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy of a tied lm_head (CPU)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
@@ -167,19 +205,41 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        meta = build_attention_metadata(batch, kv.block_size, self.config.sliding_window)
         x = self.embed_tokens(batch.input_ids)  # [T, H]
+        meta = build_attention_metadata(
+            batch, kv.block_size, self.config.sliding_window, dtype=x.dtype
+        )
+        elementwise = elementwise_threads(batch.num_tokens, self.config.hidden_size)
         cos, sin = self.rope(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
-        x = self.norm(x)  # [T, H]
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta, elementwise)
+        with elementwise():
+            x = self.norm(x)  # [T, H]
         kv.hidden[batch.slot_mapping] = x.to(kv.hidden.dtype)
         return x[batch.logits_indices]  # [N, H]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] fp32
-        return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight
+        return linear(hidden.to(weight.dtype), weight, None).float()
+
+    def pack_linears(self) -> bool:
+        """Reorder every projection and the lm_head for oneDNN (CPU; see model/linear.py).
+        A tied lm_head gets its own packed copy (the embedding lookup needs the plain rows):
+        vocab x hidden more memory. Returns False (nothing changed) where packing is not
+        available."""
+        if not packing_available(self.embed_tokens.weight):
+            return False
+        for layer in self.layers:
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                module.pack()
+        if self.lm_head is not None:
+            self.lm_head.pack()
+        else:
+            self.lm_head_packed = pack_weight(self.embed_tokens.weight)
+        return True
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KVCache shaped for this model, on its device and in its dtype."""
