@@ -35,7 +35,8 @@ bool cuda_compiled() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel";
+  m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, and CPU paged "
+            "decode attention";
   m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
@@ -43,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_compact", &freetoken::check_compact_cpu,
         "validate (offsets, ids[, values]) for B rows and V ids: '' or the error message",
         py::arg("offsets"), py::arg("ids"), py::arg("values"), py::arg("B"), py::arg("V"));
+  m.def("paged_decode_attention", &freetoken::paged_decode_attention_cpu,
+        "CPU: one query token per sequence over its paged K/V, read in place -> [S, nh, hd]",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window"));
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
   m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");

@@ -3,6 +3,7 @@
     topk_logprobs(logits, k, allowed=None, logit_bias=None) -> (ids, logprobs, lse)
     sample_tokens(logits, allowed, logit_bias, temperature, top_k, top_p, min_p, seed, step)
     backend() / backend_for(device) -> "ext-cpu" | "ext-cuda" | "torch"
+    paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, window)  (CPU ext)
 
 Per row r of logits [B, V] (fp32/bf16/fp16), with x(t) = logit(t) + bias(t) computed in fp32:
   * the row's *set* is its allowed ids (duplicates count once), or the whole vocabulary when its
@@ -417,3 +418,23 @@ def sample_tokens(logits: torch.Tensor, allowed, logit_bias, temperature: torch.
 
 
 __all__ = ["MAX_K", "backend", "backend_for", "gumbel_noise", "sample_tokens", "topk_logprobs"]
+
+
+# ---------------------------------------------------------------------------------------------
+# paged decode attention (CPU)
+
+
+def paged_decode_available(device: torch.device) -> bool:
+    """True when freetoken._C serves paged_decode_attention for tensors on `device`; otherwise
+    freetoken/model/attention.py gathers the context and calls SDPA (the torch twin)."""
+    return backend_for(device) == "ext-cpu" and hasattr(_C, "paged_decode_attention")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None) -> torch.Tensor:
+    """q [S, nh, hd], one query token per sequence at position seq_lens[s] - 1, over its context
+    0..seq_lens[s]-1 read in place from k_cache/v_cache [NB, bs, kvh, hd] through block_table
+    int64 [S, nb]; window: keep keys p > pos - window. -> [S, nh, hd] in q's dtype."""
+    return _C.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
+                                     int(window or 0))

@@ -21,7 +21,8 @@ What it does:
  5. measures the machine's fp32 bounds (scripts/compute_bound.py), the logprob drift of
     bf16 / llama-server / transformers against FreeToken fp32 on the classify requests;
  6. writes the table (medians over reps, ratios) into docs/benchmarks.md between its
-    results markers and the plot into docs/benchmarks.png. Raw JSON lines and server logs go to
+    results markers, the plot into docs/benchmarks.png, and the headline numbers into
+    README.md between its bench markers. Raw JSON lines and server logs go to
     ~/.cache/freetoken-peers/results/<timestamp>/.
 
 The llama-cpp-python Python server is not run: building its wheel compiles llama.cpp a second
@@ -454,6 +455,53 @@ def write_docs(docs: str, table: str) -> None:
     log(f"wrote {path}")
 
 
+README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def readme_summary(med: dict, started: str, reps: int, threads: int) -> str:
+    """The README's headline table: one row per workload, one column per system."""
+    cols = [("freetoken-fp32", "FreeToken fp32"), ("freetoken-bf16", "FreeToken bf16"),
+            ("llama-server", "llama-server (Q4_1)"),
+            ("transformers-naive", "transformers"),
+            ("transformers-prefix", "transformers, prefix KV reused")]
+    rows = [("classify", "classify, req/s"), ("classify-multi", "classify, 16 prefixes, req/s"),
+            ("decode", "decode, 8 streams, tok/s"), ("decode-1", "decode, 1 stream, tok/s")]
+    cols = [c for c in cols if any(k[1] == c[0] for k in med)]
+    lines = ["| workload | " + " | ".join(n for _, n in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for wl, label in rows:
+        key = "requests_per_s" if wl.startswith("classify") else "output_tokens_per_s"
+        ref = med.get((wl, "llama-server"), {}).get(key)
+        cells = []
+        for name, _ in cols:
+            v = med.get((wl, name), {}).get(key)
+            if v is None:
+                cells.append("–")
+            elif ref and name != "llama-server":
+                cells.append(f"{v:.1f} ({v / ref:.2f}x)")
+            else:
+                cells.append(f"{v:.1f}")
+        if any(c != "–" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"Medians of {reps} interleaved reps, {threads} threads each, same SmolLM2 GGUF, "
+              f"this 2-core machine, {started}; (x) = against llama-server. How, and what it "
+              "means: [docs/benchmarks.md](docs/benchmarks.md).", "",
+              "![requests/s and tokens/s per system](docs/benchmarks.png)"]
+    return "\n".join(lines)
+
+
+def write_readme(path: str, summary: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        log(f"{path} has no {README_BEGIN} markers; README not updated")
+        return
+    a, rest = text.split(README_BEGIN, 1)
+    _, b = rest.split(README_END, 1)
+    with open(path, "w") as f:
+        f.write(f"{a}{README_BEGIN}\n{summary}\n{README_END}{b}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -528,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
              f"SmolLM2-135M-Instruct Q4_1 GGUF, {args.threads} threads, {meta['cpu']}, "
              f"median of {args.reps} interleaved reps ({started})")
         write_docs(args.docs, table)
+        write_readme(os.path.join(ROOT, "README.md"),
+                     readme_summary(med, started, args.reps, args.threads))
     log(f"done in {took / 60:.1f} min; raw results in {resdir}")
     return 0
 

@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
+from freetoken import ops
 from freetoken.batch import ForwardBatch
+from freetoken.model import attention
 from freetoken.model.attention import build_attention_metadata, paged_attention
 
 torch.set_num_threads(1)
@@ -78,10 +80,17 @@ STEPS = {
 }
 
 
+IMPLS = ["torch"] + (["ext"] if ops.paged_decode_available(torch.device("cpu")) else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_paged_attention_matches_dense_reference(name, window):
-    rng = random.Random(hash((name, window)) & 0xFFFF)
+def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch):
+    """impl ext: decode groups through csrc/attention_cpu.cpp; torch: gather + SDPA for all."""
+    if impl == "torch":
+        monkeypatch.setattr(attention.ops, "paged_decode_available", lambda device: False)
+    rng = random.Random(sum(map(ord, name)) * 7 + (window or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     batch, tables = random_step(rng, STEPS[name])
     k_cache = torch.randn(NUM_BLOCKS, BLOCK, KVH, HD)
@@ -124,3 +133,40 @@ def test_groups_are_what_the_docstring_says():
     batch, _ = random_step(rng, STEPS["fresh prompts, too uneven to pad"])
     meta = build_attention_metadata(batch, BLOCK, sliding_window=6)
     assert [g.num_seqs for g in meta.groups] == [1, 1, 1] and meta.fresh == []
+
+
+@pytest.mark.skipif("ext" not in IMPLS, reason="freetoken._C is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_against_the_torch_path(dtype):
+    """Longer contexts (up to 300), GQA 4:1, head_dim 80 (not a multiple of 16), bf16 pools."""
+    g = torch.Generator().manual_seed(3)
+    S, nh, kvh, hd, bs, nb = 5, 8, 2, 80, 16, 100  # noqa: N806
+    k_cache = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
+    v_cache = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
+    q = torch.randn(S, nh, hd, generator=g).to(dtype)
+    lens = torch.tensor([1, 17, 300, 64, 129])
+    table = torch.randperm(nb, generator=g)[: S * 19].view(S, 19)
+    for window in (None, 50):
+        got = ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.11, window)
+        assert got.dtype == dtype and got.shape == q.shape
+        for s in range(S):
+            n = int(lens[s])
+            slots = [int(table[s, p // bs]) * bs + p % bs for p in range(n)]
+            k_ctx = k_cache.view(-1, kvh, hd)[slots].float()
+            v_ctx = v_cache.view(-1, kvh, hd)[slots].float()
+            q_s = q[s : s + 1].float() * (0.11 / hd**-0.5)  # reference() scales by hd**-0.5
+            want = reference(q_s, k_ctx, v_ctx, [n - 1], window)[0]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[s].double(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.skipif("ext" not in IMPLS, reason="freetoken._C is not built")
+def test_decode_kernel_refuses_bad_tables():
+    q = torch.randn(1, 4, 8)
+    cache = torch.randn(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 9]]), torch.tensor([6]),
+                                   1.0, None)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]),
+                                   1.0, None)

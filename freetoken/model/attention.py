@@ -1,12 +1,14 @@
 """Paged attention over the KV pool: write K/V by slot_mapping, read each sequence's context by its
-block_table, attend with torch SDPA.
+block_table, attend.
 
-This is the pure-torch path (the fallback for everything): the context is gathered from the pool
-block by block into a dense tensor per step. Sequences are attended in padded groups, one SDPA
-call per group and layer: every decode sequence (one query token) in one group; the sequences with
-several query tokens (prefill, chunked prefill, a prompt behind a cached prefix) in another, unless
-padding them to the longest would more than double the work, in which case each goes alone. A
-prompt alone with no cached context is causal over its fresh K/V, with no gather.
+On the CPU with freetoken._C, the decode group (one query token per sequence) reads K/V in place
+(ops.paged_decode_attention, csrc/attention_cpu.cpp). Everything else, and the fallback for it,
+is torch: the context is gathered from the pool block by block into a dense tensor, then SDPA.
+Sequences are attended in padded groups, one call per group and layer: every decode sequence (one
+query token) in one group; the sequences with several query tokens (prefill, chunked prefill, a
+prompt behind a cached prefix) in another, unless padding them to the longest would more than
+double the work, in which case each goes alone. A prompt alone with no cached context is causal
+over its fresh K/V, with no gather.
 Not here: block allocation, prefix hashing (kv_cache.py), any policy.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken import ops
 from freetoken.batch import ForwardBatch
 
 MAX_PADDING_WASTE = 2.0  # a padded group may cost at most this many times its real query x key work
@@ -38,6 +41,8 @@ class AttentionGroup:
     out_rows: torch.Tensor | None  # [Tg] where the real rows go in T; None = all of T, in order
     block_table: torch.Tensor  # [S, nb] int64 blocks covering the context (padding: block 0)
     ctx_len: int  # L
+    seq_lens: torch.Tensor  # [S] int64 context length of each sequence
+    window: int | None  # the sliding window, None = none
     mask: torch.Tensor  # [S, 1, Q, L] additive: 0 = attend, -inf = not (bool costs SDPA a where)
 
 
@@ -97,6 +102,8 @@ def _make_group(
         out_rows=None if everything else torch.tensor(real_rows, **long),
         block_table=block_tables[members, :nb].long(),
         ctx_len=L,
+        seq_lens=torch.tensor(lens, **long),
+        window=sliding_window,
         mask=mask[:, None],
     )
 
@@ -174,6 +181,7 @@ def paged_attention(
 
     everything = slice(0, num_tokens)
     outputs = []  # (rows of T: a slice or an index tensor, [rows, nh, hd])
+    decode_kernel = ops.paged_decode_available(q.device)
     for g in meta.groups:
         S, Q = g.num_seqs, g.num_q  # noqa: N806
         with elementwise():
@@ -181,6 +189,14 @@ def paged_attention(
                 qg = q[g.rows_start : g.rows_start + S * Q]
             else:
                 qg = q.index_select(0, g.q_rows)
+        if Q == 1 and decode_kernel:
+            # K/V read in place from the pool: no gather (csrc/attention_cpu.cpp)
+            og = ops.paged_decode_attention(qg, k_cache, v_cache, g.block_table, g.seq_lens,
+                                            scale, g.window)  # [S, nh, hd]
+            rows = everything if g.out_rows is None else g.out_rows
+            outputs.append((rows, og))
+            continue
+        with elementwise():
             qg = qg.view(S, Q, num_heads, head_dim).transpose(1, 2)  # [S, nh, Q, hd]
             kg = _gather_context(k_cache, g, q.dtype)  # [S, kvh, L, hd]
             vg = _gather_context(v_cache, g, q.dtype)
