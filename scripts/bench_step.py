@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""One engine step's forward, bare: the classify step (8 sequences x 28 new tokens behind a
+176-token cached prefix) and the decode steps (8 x 1 and 1 x 1 at context 100) on SmolLM2, with
+the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
+
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 python3 scripts/bench_step.py [--profile]
+    FREETOKEN_LINEAR=torch ...   # MKL F.linear instead of oneDNN packed weights
+    FREETOKEN_OPS=torch ...      # the torch decode attention (gather + SDPA), not the C++ kernel
+
+--profile adds torch.profiler's op table for the classify and decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from freetoken.generate import build_forward_batch  # noqa: E402
+from freetoken.loader import load_model  # noqa: E402
+
+BS = 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    print("loading SmolLM2 ...", file=sys.stderr)
+    lm = load_model(dtype=getattr(torch, args.dtype), load_tokenizer=False, progress=False)
+    m, vocab = lm.model, lm.config.vocab_size
+    kv = m.make_kv_cache(256, BS)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    prefix_blocks = list(range(11))  # 176 tokens, computed once: the cached prefix
+    m.forward(build_forward_batch([(tokens(176), 0, prefix_blocks)], BS), kv)
+    steps = {
+        "classify_8x28": build_forward_batch(
+            [(tokens(28), 176, prefix_blocks + [11 + 2 * s, 12 + 2 * s]) for s in range(8)], BS),
+        "decode_8x1": build_forward_batch(
+            [(tokens(1), 100, list(range(40 + 7 * s, 47 + 7 * s))) for s in range(8)], BS),
+        "decode_1x1": build_forward_batch([(tokens(1), 100, list(range(40, 47)))], BS),
+    }
+    out = {}
+    for name, batch in steps.items():
+        for _ in range(3):
+            m.compute_logits(m.forward(batch, kv))
+        fwd, head = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            h = m.forward(batch, kv)
+            t1 = time.perf_counter()
+            m.compute_logits(h)
+            fwd.append(t1 - t0)
+            head.append(time.perf_counter() - t1)
+        out[name] = {"forward_ms": statistics.median(fwd) * 1e3,
+                     "lm_head_ms": statistics.median(head) * 1e3}
+        print(f"{name}: forward {out[name]['forward_ms']:.1f} ms, lm_head "
+              f"{out[name]['lm_head_ms']:.1f} ms", file=sys.stderr)
+    if args.profile:
+        from torch.profiler import profile
+        for name in ("classify_8x28", "decode_8x1"):
+            with profile() as p:
+                for _ in range(5):
+                    m.compute_logits(m.forward(steps[name], kv))
+            print(name, file=sys.stderr)
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
+                  file=sys.stderr)
+    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(),
+                      "linear": os.environ.get("FREETOKEN_LINEAR", "auto"),
+                      "ops": os.environ.get("FREETOKEN_OPS", "auto"), "steps": out,
+                      "loadavg": os.getloadavg()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
