@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,23 +21,13 @@ from freetoken.errors import ContextTooLong, InvalidRequest
 from freetoken.generate import build_forward_batch
 from freetoken.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_serve import PREFIX  # noqa: E402
+
 pytestmark = pytest.mark.real_model
 
-PREFIX_TEXT = (
-    "You are a careful assistant. Classify the sentiment of each product review as Positive or "
-    "Negative. Answer with one word.\n\n"
-    "Review: The blender broke after two days and the seller never answered my emails.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Absolutely love this jacket, it is warm, light and the zipper feels solid.\n"
-    "Sentiment: Positive\n\n"
-    "Review: The headphones sound muddy and the left ear stopped working within a week.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Great value for the price; my kids use this tablet every day without issues.\n"
-    "Sentiment: Positive\n\n"
-    "Review: Shipping took a month and the box arrived crushed with pieces missing inside.\n"
-    "Sentiment: Negative\n\n"
-    "Review: This coffee maker is quiet, fast and the coffee tastes better than the cafe.\n"
-    "Sentiment: Positive\n\n"
+# The benchmarks' few-shot prefix (~175 tokens) plus two more examples: >= 200 tokens.
+PREFIX_TEXT = PREFIX + (
     "Review: The manual is useless and customer support hung up on me twice this morning.\n"
     "Sentiment: Negative\n\n"
     "Review: Sturdy, comfortable chair; assembly took ten minutes and my back thanks me.\n"
@@ -340,9 +334,6 @@ def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine
 def test_an_idle_engine_admits_a_burst_into_one_step(make_engine, tok):
     """Requests arriving a few ms apart at an idle engine share one step (Engine._await_burst);
     a lone request waits one quiet gap (1 s here), not the whole window (5 s)."""
-    import threading
-    import time
-
     eng = make_engine(arrival_window_ms=5000, arrival_gap_ms=1000)
     steps = []
     real = eng.runner.execute

@@ -12,14 +12,11 @@ FREETOKEN_LINEAR=torch keeps F.linear (the A/B switch for benchmarks and a way o
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger("freetoken.model")
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
