@@ -186,15 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arrival-window-ms",
         type=float,
-        default=10.0,
-        help="an idle engine waits up to this long for a burst of requests to arrive, so they "
-        "share one step (0: start at once)",
+        default=25.0,
+        help="the engine waits up to this long (and at most a quarter of the last step) for "
+        "requests about to arrive, so they share the next step: the replacements of the ones "
+        "the last step finished, or the rest of a burst at an idle engine (0: never wait)",
     )
     p.add_argument(
         "--arrival-gap-ms",
         type=float,
         default=2.0,
-        help="... and stops waiting once no request arrived for this long",
+        help="an idle engine stops waiting for the rest of a burst once no request arrived "
+        "for this long",
     )
     p.add_argument(
         "--log-level",

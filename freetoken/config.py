@@ -35,9 +35,10 @@ class EngineConfig:
     enable_partial_block_reuse: bool = False
     max_logprobs: int = 20
     max_queue_len: int = 1024              # waiting requests before submit() raises Overloaded
-    # An idle engine admits a burst of requests into one step: it waits while they arrive within
-    # arrival_gap_ms of each other, at most arrival_window_ms (0: off). See Engine._await_burst.
-    arrival_window_ms: float = 10.0
+    # Requests about to arrive share the next step: after a step that finished requests the
+    # engine waits for their replacements, an idle one for the rest of a burst (arrivals within
+    # arrival_gap_ms of each other); at most arrival_window_ms (0: off). Engine._await_arrivals.
+    arrival_window_ms: float = 25.0
     arrival_gap_ms: float = 2.0
 
     def __post_init__(self) -> None:

@@ -351,7 +351,59 @@ def test_an_idle_engine_admits_a_burst_into_one_step(make_engine, tok):
     assert all(d.wait(60) for d in done)
     assert steps == [4]
 
+    time.sleep(0.5)  # past the wait for the burst's replacements (a quarter of its step)
     start = time.monotonic()
     lone = eng.generate([prompts[0]], greedy(max_tokens=1))[0]
     assert lone.finished and steps[-1] == 1
     assert 1.0 <= time.monotonic() - start < 4.5
+
+
+def test_replacements_of_finished_requests_share_one_step(make_engine, tok, monkeypatch):
+    """A client with 2 in flight sends each finished request's successor at its own pace (here
+    0.1 s and 0.4 s after the finish, further apart than the 50 ms burst gap): the engine waits
+    for both and runs them in one step, instead of one step each (Engine._await_arrivals)."""
+    import freetoken.engine as engine_module
+    monkeypatch.setattr(engine_module, "REPLACEMENT_WAIT_FRACTION", 1e9)  # the window decides
+    eng = make_engine(arrival_window_ms=3000, arrival_gap_ms=50)
+    steps = []
+    real = eng.runner.execute
+    eng.runner.execute = lambda out: steps.append(len(out.scheduled)) or real(out)
+    prompts = [tok.encode(f"Review {i}: fine.\nSentiment:") for i in range(4)]
+    done = [threading.Event() for _ in prompts]
+
+    def submit(i):
+        def sink(out, i=i):
+            if out.finished:
+                done[i].set()
+                if i < 2:  # the successor, sent later from another thread (as a client would)
+                    threading.Timer(0.1 + 0.3 * i, submit, (i + 2,)).start()
+        eng.add_request(prompts[i], greedy(max_tokens=1), f"r-{i}", sink)
+
+    submit(0)
+    submit(1)
+    assert all(d.wait(60) for d in done)
+    assert steps == [2, 2]
+
+
+def test_the_wait_for_replacements_is_bounded(make_engine, tok, monkeypatch):
+    """No successor comes: a running stream stalls once, for the window, then runs on."""
+    import freetoken.engine as engine_module
+    monkeypatch.setattr(engine_module, "REPLACEMENT_WAIT_FRACTION", 1e9)
+    eng = make_engine(arrival_window_ms=300, arrival_gap_ms=200)
+    gaps, last = [], [None]
+    real = eng.runner.execute
+
+    def timed(out):
+        if last[0] is not None:
+            gaps.append(time.monotonic() - last[0])
+        try:
+            return real(out)
+        finally:
+            last[0] = time.monotonic()
+
+    eng.runner.execute = timed
+    short = tok.encode("Hi")
+    outs = eng.generate([short, short], [greedy(max_tokens=1), greedy(max_tokens=8)])
+    assert [len(o.new_token_ids) for o in outs] == [1, 8]
+    stalls = [g for g in gaps if g >= 0.25]
+    assert len(stalls) == 1 and stalls[0] < 2.0 and gaps.index(stalls[0]) == 0
