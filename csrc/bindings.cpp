@@ -1,6 +1,7 @@
 // freetoken._C: the Python surface. freetoken/ops.py is its only importer.
 #include <torch/extension.h>
 
+#include "linear_cpu.h"
 #include "ops.h"
 #include "ops_torch.h"
 
@@ -35,8 +36,8 @@ bool cuda_compiled() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, and CPU paged "
-            "decode attention";
+  m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, CPU paged "
+            "decode attention and fused elementwise ops";
   m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
@@ -48,8 +49,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU: one query token per sequence over its paged K/V, read in place -> [S, nh, hd]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window"));
+  m.def("rms_norm", &freetoken::rms_norm_cpu,
+        "CPU: RMSNorm over the rows of x [T, H] -> [T, H] (weight's dtype if fp32)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &freetoken::add_rms_norm_cpu,
+        "CPU: residual += x in place, -> RMSNorm(residual) [T, H]", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &freetoken::silu_mul_cpu,
+        "CPU: gate_up [T, 2I] -> silu(gate) * up [T, I]", py::arg("gate_up"),
+        py::arg("intermediate_size"));
+  m.def("rope_", &freetoken::rope_cpu_,
+        "CPU: rotate_half RoPE on q [T, nh, hd] and k [T, kvh, hd] in place", py::arg("q"),
+        py::arg("k"), py::arg("cos"), py::arg("sin"));
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
   m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");
   m.attr("max_k") = freetoken::kMaxK;
+  m.def("panel_pack", &freetoken::panel_pack_cpu,
+        "CPU: W [N, K] fp32 -> the packed panels (1-D fp32, a header then [N/16, K, 16])",
+        py::arg("weight"));
+  m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
+        py::arg("packed"));
+  m.def("panel_linear", &freetoken::panel_linear_cpu,
+        "CPU: x [M, K] fp32 @ W^T (+ bias [N]) over packed panels -> [M, N]", py::arg("x"),
+        py::arg("packed"), py::arg("bias") = py::none());
 }

@@ -123,7 +123,7 @@ class Engine:
                            max_model_len, self.num_blocks, bs, self.num_blocks * bs)
             max_model_len = self.num_blocks * bs
         self.max_model_len = max_model_len
-        logits_width = int(self.model.lm_head_weight.shape[0])
+        logits_width = self.model.logits_width
         self.limits = EngineLimits(vocab_size=min(mc.vocab_size, logits_width),
                                    max_model_len=max_model_len,
                                    max_logprobs=config.max_logprobs, logits_width=logits_width)

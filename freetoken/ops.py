@@ -4,6 +4,12 @@
     sample_tokens(logits, allowed, logit_bias, temperature, top_k, top_p, min_p, seed, step)
     backend() / backend_for(device) -> "ext-cpu" | "ext-cuda" | "torch"
     paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, window)  (CPU ext)
+    rms_norm(x, weight, eps, residual=None) -> y | (y, residual)   fused_elementwise_available(x)
+    silu_mul(gate_up, intermediate_size) -> act;  rope_(q, k, cos, sin) (in place)
+      (the Llama forward's elementwise ops: fused on the CPU ext for fp32/bf16, else the twin)
+    pack_panels(weight) -> packed;  panel_linear(x, packed, bias=None) -> x @ W^T (+ bias)
+      panel_linear_available(x), panel_shape(packed) -> (N, K)  (CPU ext only, fp32, no twin:
+      the small-M decode linear over weights packed once; see csrc/linear_cpu.cpp)
 
 Per row r of logits [B, V] (fp32/bf16/fp16), with x(t) = logit(t) + bias(t) computed in fp32:
   * the row's *set* is its allowed ids (duplicates count once), or the whole vocabulary when its
@@ -28,6 +34,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +424,8 @@ def sample_tokens(logits: torch.Tensor, allowed, logit_bias, temperature: torch.
     return out
 
 
-__all__ = ["MAX_K", "backend", "backend_for", "gumbel_noise", "sample_tokens", "topk_logprobs"]
+__all__ = ["MAX_K", "backend", "backend_for", "fused_elementwise_available", "gumbel_noise",
+           "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,3 +446,157 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     int64 [S, nb]; window: keep keys p > pos - window. -> [S, nh, hd] in q's dtype."""
     return _C.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
                                      int(window or 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# fused elementwise ops of the Llama forward (CPU ext); each twin is llama.py's torch code
+
+_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+_HAS_ELEMENTWISE = _C is not None and hasattr(_C, "rope_")  # False for a stale build
+
+
+def fused_elementwise_available(x: torch.Tensor) -> bool:
+    """True when rms_norm / silu_mul / rope_ on x run the extension's fused kernel: x on a
+    device the extension serves on the CPU ("ext-cpu") and x fp32 or bf16. No autograd."""
+    return (x.dtype in _ELEMENTWISE_DTYPES and _HAS_ELEMENTWISE
+            and backend_for(x.device) == "ext-cpu")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """x [T, H] (rows contiguous), weight [H] (x's dtype or fp32) ->
+    weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype), in torch's promotion
+    of weight and x (the normalised value is rounded to x's dtype before the weight, as HF does).
+
+    With residual [T, H] (x's dtype): residual += x IN PLACE (rounded like x + residual), and
+    returns (rms_norm(residual), residual), the same tensor object. x is not modified."""
+    if fused_elementwise_available(x):
+        if residual is None:
+            return _C.rms_norm(x, weight, eps)
+        return _C.add_rms_norm(x, residual, weight, eps), residual
+    return _rms_norm_torch(x, weight, eps, residual)
+
+
+def _rms_norm_torch(x, weight, eps, residual=None):
+    if residual is not None:
+        residual.add_(x)  # bitwise x + residual (llama.py's `x = x + h`), kept in place
+        return _rms_norm_torch(residual, weight, eps), residual
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """gate_up [T, 2I] -> F.silu(gate_up[:, :I]) * gate_up[:, I:], [T, I] in gate_up's dtype
+    (silu rounded to the dtype, then the product)."""
+    if fused_elementwise_available(gate_up):
+        return _C.silu_mul(gate_up, intermediate_size)
+    return _silu_mul_torch(gate_up, intermediate_size)
+
+
+def _silu_mul_torch(gate_up, intermediate_size):
+    gate, up = gate_up.split(intermediate_size, dim=-1)  # [T, I] each
+    return F.silu(gate) * up
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place, on every head: x <- x * cos + rotate_half(x) * sin, rotate_half(x) =
+    cat(-x[hd/2:], x[:hd/2]), each op rounded to the dtype as torch does. q [T, nh, hd],
+    k [T, kvh, hd] with stride(2) == 1 and stride(1) == hd (views into one fused qkv output are
+    fine); cos, sin [T, hd] or [T, 1, hd] in q's dtype."""
+    if fused_elementwise_available(q):
+        _C.rope_(q, k, cos, sin)
+    else:
+        _rope_torch_(q, k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_torch_(q, k, cos, sin):
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd]
+    q.copy_(q * cos + _rotate_half(q) * sin)
+    k.copy_(k * cos + _rotate_half(k) * sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# the panel linear (CPU ext, fp32): y = x @ W^T (+ bias) over W packed once, for decode's few rows
+
+_HAS_PANEL = _C is not None and hasattr(_C, "panel_linear")  # False for a stale build
+
+
+def panel_linear_available(x: torch.Tensor) -> bool:
+    """True when panel_linear serves x: the extension is built with it, x is on a device it
+    serves on the CPU ("ext-cpu") and x is fp32. There is no torch twin for the packed format;
+    callers keep their own path (freetoken/model/linear.py) where this is False."""
+    return x.dtype == torch.float32 and _HAS_PANEL and backend_for(x.device) == "ext-cpu"
+
+
+def _need_panel(fn: str) -> None:
+    if not _HAS_PANEL:
+        why = _IMPORT_ERROR if _C is None else "this build has no panel_linear (rebuild it)"
+        raise RuntimeError(f"{fn} needs freetoken._C: {why}")
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 CPU -> packed: a 1-D fp32 tensor, a 64-byte header (int32 words:
+    magic, version, N, K, 16, number of panels) then ceil(N / 16) panels [K, 16], panel p holding
+    W[16p:16p+16, :].T with rows >= N zero. Opaque to everything but panel_linear / panel_shape;
+    it survives clone(), torch.save and nn.Parameter (the header travels with the data)."""
+    _need_panel("pack_panels")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32 \
+            or weight.device.type != "cpu":
+        raise ValueError("pack_panels: weight must be a 2-D fp32 CPU tensor [N, K]")
+    if weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(f"pack_panels: weight must not be empty, got {tuple(weight.shape)}")
+    return _C.panel_pack(weight.detach())
+
+
+def panel_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a tensor from pack_panels (checks its header)."""
+    _need_panel("panel_shape")
+    n, k = _C.panel_shape(packed)
+    return n, k
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32, contiguous -> x @ W^T (+ bias [N] fp32) [..., N], W = the weight that
+    `packed` came from. fp32 sums (within fp32 rounding of x.double() @ W.double().T); fastest
+    for few rows (decode), correct for any. Raises ValueError on a bad x, bias or packed,
+    RuntimeError without the extension. No autograd."""
+    _need_panel("panel_linear")
+    # NOTE: the C++ side checks everything; the Python checks run only once it has refused, to
+    # name the problem as a ValueError. Checking first cost 4 us a call (a 1.3 MB weight: 60 us).
+    try:
+        if x.dim() == 2:
+            return _C.panel_linear(x, packed, bias)
+        y = _C.panel_linear(x.view(-1, x.shape[-1]), packed, bias)    # [M, N]
+        return y.view(*x.shape[:-1], y.shape[-1])
+    except Exception:
+        _check_panel_args(x, packed, bias)
+        raise
+
+
+def _check_panel_args(x, packed, bias) -> None:
+    if not isinstance(packed, torch.Tensor):
+        raise ValueError("panel_linear: packed must be the tensor from pack_panels")
+    try:
+        n, k = panel_shape(packed)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype != torch.float32 \
+            or x.device.type != "cpu":
+        raise ValueError("panel_linear: x must be an fp32 CPU tensor [..., K]")
+    if x.shape[-1] != k:
+        raise ValueError(f"panel_linear: x has K = {x.shape[-1]}, the packed weight has K = {k}")
+    if not x.is_contiguous():
+        raise ValueError("panel_linear: x must be contiguous (a copy would hide its cost)")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
+                             or tuple(bias.shape) != (n,) or bias.device.type != "cpu"
+                             or not bias.is_contiguous()):
+        raise ValueError(f"panel_linear: bias must be a contiguous fp32 CPU tensor [{n}]")

@@ -1,5 +1,6 @@
-"""The oneDNN packed linear: same numbers as F.linear, the FREETOKEN_LINEAR=torch way out, and a
-model that runs the same either way."""
+"""The packed linears: panels (fp32, freetoken._C) and oneDNN (bf16, or FREETOKEN_LINEAR=onednn)
+give F.linear's numbers, FREETOKEN_LINEAR=torch is the way out, and a model runs the same in
+every form. The panel kernel itself is tested in tests/test_panel_linear.py."""
 
 from __future__ import annotations
 
@@ -7,45 +8,63 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from freetoken import ops
 from freetoken.generate import build_forward_batch
-from freetoken.model.linear import Linear, linear, pack_weight, packing_available
+from freetoken.model.linear import (
+    Linear,
+    linear,
+    pack_weight,
+    packed_form,
+    packing_available,
+    panels_available,
+)
 
 torch.set_num_threads(1)
 
-needs_onednn = pytest.mark.skipif(
-    not packing_available(torch.empty(1)), reason="oneDNN packed linear not available"
+needs_packing = pytest.mark.skipif(
+    not packing_available(torch.empty(1)), reason="no packed linear available"
 )
+needs_panels = pytest.mark.skipif(
+    not ops.panel_linear_available(torch.empty(1)), reason="freetoken._C panels not available"
+)
+FORMS = ["auto", "onednn"]
 
 
-@needs_onednn
+@needs_packing
+@pytest.mark.parametrize("mode", FORMS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 224])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_fp32(rows, bias):
+def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_LINEAR", mode)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 96, generator=g)
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(rows, 96, generator=g)
     packed = pack_weight(w)
-    assert packed.is_mkldnn and packed.shape == w.shape
+    want = "panels" if mode == "auto" and panels_available(w) else "onednn"
+    assert packed_form(packed) == want
     got = linear(x, packed, b)
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(packed.to_dense(), w, atol=0, rtol=0)
+    if want == "onednn":
+        torch.testing.assert_close(packed.to_dense(), w, atol=0, rtol=0)
     # a leading batch dimension and a non-contiguous input work too
     x3 = torch.randn(2, rows, 192, generator=g)[..., ::2]
     torch.testing.assert_close(linear(x3, packed, b), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
 
 
-@needs_onednn
-def test_packed_linear_bf16():
+@needs_packing
+def test_bf16_goes_to_onednn():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=g).bfloat16()
     x = torch.randn(5, 32, generator=g).bfloat16()
-    got = linear(x, pack_weight(w), None)
+    packed = pack_weight(w)
+    assert packed_form(packed) == "onednn" and not panels_available(w)
+    got = linear(x, packed, None)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=0.1, rtol=0.02)
 
 
-@needs_onednn
+@needs_packing
 def test_module_pack_and_the_torch_switch(monkeypatch):
     layer = Linear(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
@@ -54,28 +73,50 @@ def test_module_pack_and_the_torch_switch(monkeypatch):
     with torch.no_grad():
         plain = layer(x)
         monkeypatch.setenv("FREETOKEN_LINEAR", "torch")
-        assert layer.pack() is False and not layer.weight.is_mkldnn
+        assert layer.pack() is False and packed_form(layer.weight) == "plain"
         monkeypatch.delenv("FREETOKEN_LINEAR")
-        assert layer.pack() is True and layer.weight.is_mkldnn
+        assert layer.pack() is True and packed_form(layer.weight) != "plain"
         assert layer.pack() is True  # packing twice is a no-op
         torch.testing.assert_close(layer(x), plain, atol=1e-5, rtol=1e-5)
-    assert sum(p.numel() for p in layer.parameters()) == 16 * 8 + 8
 
 
-@needs_onednn
-def test_model_logits_same_packed_or_not(tiny_checkpoint, monkeypatch):
+def test_a_bad_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_LINEAR", "fast")
+    with pytest.raises(ValueError, match="FREETOKEN_LINEAR"):
+        packing_available(torch.empty(1))
+
+
+@needs_packing
+def test_model_logits_same_in_every_form(tiny_checkpoint, monkeypatch):
     from freetoken.loader import load_model
 
-    path, _ = tiny_checkpoint("qwen2")  # q/k/v biases
-    packed = load_model(path, load_tokenizer=False, progress=False)
-    monkeypatch.setenv("FREETOKEN_LINEAR", "torch")
-    plain = load_model(path, load_tokenizer=False, progress=False)
-    assert packed.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn
-    assert not plain.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn
+    path, _ = tiny_checkpoint("qwen2")  # q/k/v biases, an untied lm_head
+    models = {}
+    for mode in ("auto", "onednn", "torch"):
+        monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+        models[mode] = load_model(path, load_tokenizer=False, progress=False)
+    forms = {m: packed_form(x.model.layers[0].self_attn.qkv_proj.weight)
+             for m, x in models.items()}
+    assert forms["onednn"] == "onednn" and forms["torch"] == "plain"
+    assert forms["auto"] == ("panels" if ops.panel_linear_available(torch.empty(1)) else "onednn")
+    assert packed_form(models["auto"].model.lm_head.weight) == forms["auto"]
     seqs = [(list(range(3, 20)), 0, [0, 1, 2, 3, 4]), ([5, 6], 0, [7])]
     out = []
-    for loaded in (packed, plain):
+    for loaded in models.values():
+        assert loaded.model.logits_width == loaded.config.vocab_size
         kv = loaded.model.make_kv_cache(8, 4)
         batch = build_forward_batch(seqs, 4, all_logits=True)
         out.append(loaded.model.compute_logits(loaded.model.forward(batch, kv)))
-    torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)
+    for o in out[1:]:
+        torch.testing.assert_close(o, out[0], atol=1e-4, rtol=0)
+
+
+@needs_panels
+def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
+    m = smollm2_fp32.model
+    assert packed_form(m.layers[0].mlp.down_proj.weight) == "panels"
+    assert m.lm_head is None and packed_form(m.lm_head_packed) == "panels"
+    assert m.logits_width == 49152
+    h = torch.randn(3, m.config.hidden_size)
+    torch.testing.assert_close(m.compute_logits(h), F.linear(h, m.embed_tokens.weight),
+                               atol=1e-4, rtol=1e-5)

@@ -24,11 +24,13 @@ def build_model(
 
     Built on the meta device (no random init), then each parameter is replaced by its HF-named
     tensor from `weights` (consumed), on `device` in `dtype`. On CPU the projections are then
-    packed for oneDNN (model/linear.py).
+    packed (panels for fp32, oneDNN for bf16: model/linear.py).
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_weights(weights, dtype=dtype, device=device)
-    packed = model.pack_linears()
-    logger.info("linear layers: %s", "oneDNN, pre-packed weights" if packed else "torch F.linear")
+    form = model.pack_linears()
+    logger.info("linear layers: %s", {
+        "panels": "freetoken._C panels, pre-packed weights (small-M streaming GEMM)",
+        "onednn": "oneDNN, pre-packed weights"}.get(form, "torch F.linear"))
     return model.eval()

@@ -1,13 +1,17 @@
-"""The model's linear layers: oneDNN with pre-packed weights on CPU, F.linear everywhere else.
+"""The model's linear layers, by the form their weight was packed into at load:
 
-Why: torch's CPU F.linear calls MKL sgemm, which on this project's AMD EPYC machines is 1.2-3.2x
-slower than oneDNN with the weight reordered once into its blocked layout (decode's skinny
-matmuls gain most: 8 rows x 3072x576 fp32, 1.06 -> 0.38 ms; see docs/benchmarks.md). Both are
-fp32 GEMMs; they differ in summation order only (~1e-4 on a logit).
+  * fp32 on the CPU with freetoken._C: panels (ops.pack_panels / ops.panel_linear,
+    csrc/linear_cpu.cpp), a layout that streams each weight once per call. Decode steps are
+    weight-bandwidth bound and oneDNN read cold weights at half the rate (a decode step's
+    linears at 8 rows: 43.7 -> 22.8 ms); at 224 rows (a batched prefill) the two are level;
+  * bf16 on the CPU (and fp32 without the extension): oneDNN with the weight reordered once
+    (torch.ops.mkldnn; 1.2-3.2x faster than MKL's F.linear on this project's AMD EPYC);
+  * everywhere else: F.linear.
+All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a logit).
 
-The packed weight replaces the plain one (no second copy): `weight` becomes an opaque mkldnn
-tensor (same shape and numel; `weight.to_dense()` gives the plain matrix back).
-FREETOKEN_LINEAR=torch keeps F.linear (the A/B switch for benchmarks and a way out).
+The packed weight replaces the plain one (no second copy): a panel tensor is 1-D (its header
+carries N and K), a oneDNN one an opaque mkldnn tensor of the same shape.
+FREETOKEN_LINEAR=onednn skips the panels, =torch keeps F.linear (A/B switches, a way out).
 """
 
 from __future__ import annotations
@@ -18,15 +22,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+from freetoken import ops
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _mode() -> str:
+    mode = os.environ.get("FREETOKEN_LINEAR", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "onednn", "torch"):
+        raise ValueError(f"FREETOKEN_LINEAR must be auto, onednn or torch, got {mode!r}")
+    return mode
+
+
+def panels_available(weight: torch.Tensor) -> bool:
+    """True when `weight` would be packed into panels here."""
+    return _mode() == "auto" and ops.panel_linear_available(weight)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """True when `weight` can be served by oneDNN's packed linear here."""
-    return (
-        os.environ.get("FREETOKEN_LINEAR", "auto") != "torch"
+    """True when `weight` can be served by some packed form here (panels or oneDNN)."""
+    return panels_available(weight) or (
+        _mode() != "torch"
         and weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
+        and weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -34,14 +52,27 @@ def packing_available(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] plain weight -> the same matrix in oneDNN's blocked layout (an mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    """[out, in] plain weight -> its packed form (see the module docstring); call only where
+    packing_available(weight)."""
+    weight = weight.detach().contiguous()
+    if panels_available(weight):
+        return ops.pack_panels(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_form(weight: torch.Tensor) -> str:
+    """"panels", "onednn" or "plain"."""
+    if weight.is_mkldnn:
+        return "onednn"
+    return "panels" if weight.dim() == 1 else "plain"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [..., in] -> [..., out], by whichever form `weight` is in."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    if weight.dim() == 1:
+        return ops.panel_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -58,8 +89,10 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def pack(self) -> bool:
-        """Reorder the weight for oneDNN in place of the plain one; False where not available."""
-        if self.weight.is_mkldnn or not packing_available(self.weight):
-            return self.weight.is_mkldnn
+        """Replace the plain weight by its packed form; False where none is available."""
+        if packed_form(self.weight) != "plain":
+            return True
+        if not packing_available(self.weight):
+            return False
         self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
         return True

@@ -14,13 +14,13 @@ import math
 from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from freetoken import ops
 from freetoken.batch import ForwardBatch, KVCache
 from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import Linear, linear, pack_weight, packing_available
+from freetoken.model.linear import Linear, linear, pack_weight, packed_form, packing_available
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +29,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., size]; normalised in fp32, cast back before the weight (as HF does).
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., size], normalised in fp32 and cast back before the weight (as HF does).
+        With residual: s = x + residual (the residual stream after a sublayer), -> (norm(s), s).
+        One pass in freetoken._C where it serves x (ops.rms_norm), else torch. NOTE: residual
+        is updated in place (it is the stream, owned by the forward)."""
+        if x.dim() != 2:  # the q/k norms of Qwen3: [T, heads, hd], one norm per head
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -88,11 +90,6 @@ def elementwise_threads(num_tokens: int, hidden_size: int):
     return _one_thread if small and torch.get_num_threads() > 1 else nullcontext
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -126,8 +123,7 @@ class Attention(nn.Module):
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            ops.rope_(q, k, cos, sin)  # in place: q, k are views of this step's qkv output
         # out: [T, nh, hd]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, elementwise)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -145,9 +141,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, elementwise=nullcontext) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
         with elementwise():
-            act = F.silu(gate) * up
+            act = ops.silu_mul(gate_up, self.intermediate_size)  # silu(gate) * up, [T, I]
         return self.down_proj(act)
 
 
@@ -159,16 +155,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, elementwise=nullcontext):
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, elementwise=nullcontext):
+        """x: the previous layer's MLP output (the embeddings at layer 0, residual None);
+        residual: the residual stream before it. -> (this layer's MLP output, residual stream);
+        each sublayer's output joins the stream inside the next RMSNorm (one pass)."""
         with elementwise():
-            h = self.input_layernorm(x)
+            if residual is None:
+                h, residual = self.input_layernorm(x), x
+            else:
+                h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, elementwise)
         with elementwise():
-            x = x + h
-            h = self.post_attention_layernorm(x)
-        h = self.mlp(h, elementwise)
-        with elementwise():
-            return x + h
+            h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, elementwise), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,12 +189,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy of a tied lm_head (CPU)
+        self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the lm_head (>= vocab_size when the checkpoint pads it)."""
+        if self.lm_head is None:
+            return int(self.embed_tokens.weight.shape[0])
+        return self.lm_head.out_features
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions: [T] int64 -> cos, sin: [T, 1, hd] in `dtype` (computed in fp32, as HF does)
@@ -211,10 +217,11 @@ class LlamaForCausalLM(nn.Module):
         )
         elementwise = elementwise_threads(batch.num_tokens, self.config.hidden_size)
         cos, sin = self.rope(batch.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta, elementwise)
+            x, residual = layer(x, residual, cos, sin, kv.k[i], kv.v[i], meta, elementwise)
         with elementwise():
-            x = self.norm(x)  # [T, H]
+            x, _ = self.norm(x, residual)  # [T, H]
         kv.hidden[batch.slot_mapping] = x.to(kv.hidden.dtype)
         return x[batch.logits_indices]  # [N, H]
 
@@ -224,13 +231,13 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight
         return linear(hidden.to(weight.dtype), weight, None).float()
 
-    def pack_linears(self) -> bool:
-        """Reorder every projection and the lm_head for oneDNN (CPU; see model/linear.py).
+    def pack_linears(self) -> str:
+        """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py).
         A tied lm_head gets its own packed copy (the embedding lookup needs the plain rows):
-        vocab x hidden more memory. Returns False (nothing changed) where packing is not
-        available."""
+        vocab x hidden more memory. Returns the form: "panels", "onednn", or "plain" (nothing
+        changed: packing is not available)."""
         if not packing_available(self.embed_tokens.weight):
-            return False
+            return "plain"
         for layer in self.layers:
             for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                            layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -239,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.pack()
         else:
             self.lm_head_packed = pack_weight(self.embed_tokens.weight)
-        return True
+        return packed_form(self.layers[0].self_attn.qkv_proj.weight)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KVCache shaped for this model, on its device and in its dtype."""

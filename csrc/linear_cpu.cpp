@@ -1,0 +1,426 @@
+// The panel linear: y [M, N] = x [M, K] @ W^T (+ bias), fp32, for decode's few query rows, over W
+// packed once into column panels.
+//
+// Why: a decode step reads every weight once and does little else with it (2 M flops per weight
+// read), so it is bound by DRAM bandwidth. oneDNN's packed fp32 linear (freetoken/model/linear.py)
+// reads cold weights at ~16-18 GB/s for M <= 8 here, well under what a plain streaming read gets.
+// This kernel streams each thread's weights as long contiguous runs of cache lines.
+//
+// Layout: panel p holds columns [16 p, 16 p + 16) of y as [K, 16]: row k is W[16 p .. 16 p + 15,
+// k], one 64-byte line. Panels follow each other, so a range of panels is one stream.
+//
+// Micro-kernel: for a chunk of MR rows of x (templated, 1..16 on AVX-512) and one panel, MR x 16
+// fp32 accumulators; per k one panel row is loaded and x[m, k] broadcast from memory into an FMA.
+// Small MR also unrolls k into independent partial sums (KU) so 8+ FMA chains hide the latency.
+// Rows beyond MR_max are cut into equal chunks; the thread then walks an L2-sized block of its
+// panels once per chunk, so the weights still come from DRAM once.
+//
+// Threads: the panels are cut into a few contiguous ranges (>= 512 KB of weights each) that the
+// caller and torch.get_num_threads() - 1 helpers of a small pool claim in order; a call estimated
+// under ~150 us on one thread stays on the caller. The packed buffer asks for 2 MB pages.
+//
+// Numerics: fp32 products and sums (FMA where the ISA has one); the sum over k is split into KU
+// interleaved partial sums for small MR. The result is x @ W^T within fp32 rounding.
+//
+// ISA: one body, compiled for AVX-512, AVX2+FMA and baseline x86-64 through target attributes and
+// chosen per call by freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), like
+// elementwise_cpu.cpp; no -march.
+#include "linear_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "ops_torch.h"
+
+namespace freetoken {
+namespace {
+
+#define FT_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FT_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")))
+#define FT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+#else
+#define FT_TARGET_AVX512
+#define FT_TARGET_AVX2
+#endif
+
+constexpr int kNR = 16;                     // panel width in floats: one 64-byte line per k
+constexpr int32_t kMagic = 0x4C505446;      // "FTPL"
+constexpr int32_t kVersion = 1;
+constexpr int64_t kHeaderFloats = 16;       // 64 bytes, so panels stay 64-byte aligned
+constexpr int kChains = 8;                  // independent FMA chains wanted per micro-kernel
+constexpr int64_t kBlockBytes = 256 << 10;  // panels walked per row chunk when M > MR_max
+constexpr double kTaskBytes = 512 << 10;   // the least weight bytes per pool task
+
+// NOTE: waking a helper thread costs ~10-40 us here (and more when the other core is busy); a
+// call whose estimated time on one thread is below this runs on the caller alone.
+constexpr double kInlineNs = 150e3;
+// Software prefetch (prefetcht1, this far ahead in the weight stream) only for chunks of at
+// least kPrefetchMinRows rows: measured cold at 3072 x 576, one thread, 2 MB pages, it took M = 8
+// from 16 to 23 GB/s and M = 16 from 8.5 to 11 GB/s, but cost M = 1..4 ~10% (the hardware
+// prefetcher already keeps up when the FMAs per line are few).
+constexpr int64_t kPrefetchFloats = 8192 / 4;
+constexpr int kPrefetchMinRows = 6;
+
+struct Args {
+  const float* x;     // row chunks of x, each [K, mr] (transposed, so broadcasts share a line)
+  const float* w;     // panels [P, K, kNR]
+  const float* bias;  // [N] or null
+  float* y;           // [M, N], row stride N
+  int64_t M, N, K;
+};
+
+template <int L>
+struct Vec {
+  typedef float type __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+FT_INLINE typename Vec<L>::type loadu(const float* p) {
+  typename Vec<L>::type v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// NOTE: without this GCC folds the panel load into every FMA that uses it (MR loads of the same
+// line instead of one); that halved the L2-hot rate at M = 2 (38 -> 65 GB/s here).
+template <typename T>
+FT_INLINE T in_register(T v) {
+#if defined(__GNUC__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+// Rows [r0, r0 + MR) of y, panels [p0, p1): the micro-kernel, L = floats per vector.
+template <int L, int MR, bool PF>
+FT_INLINE void panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+  using vf = typename Vec<L>::type;
+  constexpr int V = kNR / L;  // vectors per panel row
+  constexpr int KU = (kChains + MR * V - 1) / (MR * V);  // k unroll: >= kChains chains
+  const int64_t K = a.K;
+  const float* x = a.x + r0 * K;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* wp = a.w + p * K * kNR;
+    vf acc[KU][MR][V];
+#pragma GCC unroll 64
+    for (int u = 0; u < KU; ++u)
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) acc[u][m][v] = vf{};
+    int64_t k = 0;
+    for (; k + KU <= K; k += KU, wp += KU * kNR) {
+#pragma GCC unroll 64
+      for (int u = 0; u < KU; ++u) {
+        if constexpr (PF) __builtin_prefetch(wp + u * kNR + kPrefetchFloats, 0, 2);  // t1
+        vf wv[V];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) wv[v] = in_register(loadu<L>(wp + u * kNR + v * L));
+#pragma GCC unroll 64
+        for (int m = 0; m < MR; ++m) {
+          const float xs = x[(k + u) * MR + m];
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) acc[u][m][v] += wv[v] * xs;
+        }
+      }
+    }
+    for (; k < K; ++k, wp += kNR) {
+      vf wv[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) wv[v] = loadu<L>(wp + v * L);
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m) {
+        const float xs = x[k * MR + m];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) acc[0][m][v] += wv[v] * xs;
+      }
+    }
+#pragma GCC unroll 64
+    for (int u = 1; u < KU; ++u)
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
+    const int64_t n0 = p * kNR;
+    const int64_t nv = std::min<int64_t>(kNR, a.N - n0);
+    float* y = a.y + r0 * a.N + n0;
+    if (nv == kNR) {
+      vf b[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) b[v] = a.bias ? loadu<L>(a.bias + n0 + v * L) : vf{};
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) {
+          const vf o = acc[0][m][v] + b[v];
+          std::memcpy(y + m * a.N + v * L, &o, sizeof o);
+        }
+    } else {  // the tail panel: only nv columns exist
+      for (int m = 0; m < MR; ++m)
+        for (int64_t j = 0; j < nv; ++j)
+          y[m * a.N + j] = acc[0][m][j / L][j % L] + (a.bias ? a.bias[n0 + j] : 0.f);
+    }
+  }
+}
+
+// MR from the run-time row count mr (1..MR): one instantiation per value.
+template <int L, int MR>
+FT_INLINE void panels_rows(const Args& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return panels_rows<L, MR - 1>(a, mr, r0, p0, p1);
+  }
+  panels<L, MR, (MR >= kPrefetchMinRows)>(a, r0, p0, p1);
+}
+
+// Panels [p0, p1) for every row: rows cut into equal chunks of at most MRMAX.
+template <int L, int MRMAX>
+FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
+  const int64_t chunks = (a.M + MRMAX - 1) / MRMAX;
+  const int64_t block =
+      chunks == 1 ? p1 - p0 : std::max<int64_t>(1, kBlockBytes / (a.K * kNR * 4));
+  for (int64_t b0 = p0; b0 < p1; b0 += block) {
+    const int64_t b1 = std::min(p1, b0 + block);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = a.M * c / chunks, r1 = a.M * (c + 1) / chunks;
+      panels_rows<L, MRMAX>(a, static_cast<int>(r1 - r0), r0, b0, b1);
+    }
+  }
+}
+
+// Registers: AVX-512 has 32 of one panel row each; AVX2 16 of half a row; SSE2 16 of a quarter.
+FT_TARGET_AVX512 void run_avx512(const Args& a, int64_t p0, int64_t p1) { run<16, 16>(a, p0, p1); }
+FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) { run<8, 6>(a, p0, p1); }
+void run_base(const Args& a, int64_t p0, int64_t p1) { run<4, 2>(a, p0, p1); }
+
+struct Kernel {
+  void (*run)(const Args&, int64_t, int64_t);
+  int64_t mr_max;  // the MRMAX it was instantiated with: x's chunks must match
+};
+
+Kernel pick_kernel() {
+  const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
+  if (name == "avx512") return {&run_avx512, 16};
+  if (name == "avx2") return {&run_avx2, 6};
+  return {&run_base, 2};
+}
+
+// x [M, K] -> the chunks run() walks, each [K, mr] at offset r0 * K (a copy of M * K floats).
+void transpose_chunks(const float* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
+  const int64_t chunks = (M + mr_max - 1) / mr_max;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
+    float* o = out + r0 * K;
+    for (int64_t m = 0; m < mr; ++m) {
+      const float* row = x + (r0 + m) * K;
+      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = row[k];
+    }
+  }
+}
+
+struct Header {
+  int64_t N, K, P;
+};
+
+Header read_header(const at::Tensor& packed) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat &&
+                  packed.dim() == 1 && packed.is_contiguous(),
+              "panel_linear: packed must be the 1-D fp32 CPU tensor from pack_panels");
+  TORCH_CHECK(packed.numel() >= kHeaderFloats, "panel_linear: packed is too short for a header");
+  int32_t h[kHeaderFloats];
+  std::memcpy(h, packed.data_ptr<float>(), sizeof h);
+  TORCH_CHECK(h[0] == kMagic && h[1] == kVersion && h[4] == kNR,
+              "panel_linear: packed has no panel header (not made by pack_panels, or another "
+              "version)");
+  const Header hd{h[2], h[3], h[5]};
+  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && hd.P == (hd.N + kNR - 1) / kNR &&
+                  packed.numel() == kHeaderFloats + hd.P * hd.K * kNR,
+              "panel_linear: packed's header does not match its size");
+  return hd;
+}
+
+// A tiny pool with dynamic claiming of contiguous panel ranges, after TaskPool in ops_cpu.cpp.
+// NOTE: at::parallel_for is serial in this extension (setup.py compiles without -fopenmp, so
+// ATen's inline OpenMP backend becomes a plain call); hence a pool. The caller starts on the
+// tasks at once and waits only for tasks a helper actually claimed, so a helper that wakes late
+// (PASSIVE wait policy, a core busy with another process) costs nothing. A second concurrent
+// caller, or a forked child (no helpers), runs its tasks alone.
+class PanelPool {
+ public:
+  static PanelPool& get() {
+    static PanelPool* pool = new PanelPool();  // never destroyed: helpers are detached
+    return *pool;
+  }
+
+  void run(int64_t n, int nthreads, const std::function<void(int64_t)>& fn) {
+    std::unique_lock<std::mutex> caller(run_mu_, std::try_to_lock);
+    if (!caller.owns_lock() || nthreads <= 1 || n <= 1) {
+      for (int64_t t = 0; t < n; ++t) fn(t);
+      return;
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    while (static_cast<int>(helpers_) < nthreads - 1) {
+      std::thread(&PanelPool::helper, this).detach();
+      ++helpers_;
+    }
+    fn_ = &fn;
+    n_ = n;
+    next_ = 0;
+    joined_ = 0;
+    max_join_ = nthreads - 1;
+    ++gen_;
+    lk.unlock();
+    cv_work_.notify_all();
+    lk.lock();
+    drain(lk);
+    cv_done_.wait(lk, [&] { return busy_ == 0; });
+    fn_ = nullptr;
+    n_ = 0;
+  }
+
+ private:
+  void drain(std::unique_lock<std::mutex>& lk) {
+    while (next_ < n_) {
+      const int64_t t = next_++;
+      ++busy_;
+      const auto* fn = fn_;
+      lk.unlock();
+      (*fn)(t);  // the kernel does not throw
+      lk.lock();
+      if (--busy_ == 0 && next_ >= n_) cv_done_.notify_all();
+    }
+  }
+
+  void helper() {
+    std::unique_lock<std::mutex> lk(mu_);
+    uint64_t seen = gen_;
+    while (true) {
+      cv_work_.wait(lk, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (joined_ >= max_join_) continue;
+      ++joined_;
+      drain(lk);
+    }
+  }
+
+  std::mutex run_mu_;  // one caller at a time
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, next_ = 0;
+  int busy_ = 0, joined_ = 0, max_join_ = 0;
+  unsigned helpers_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// NOTE: a decode step streams every weight from DRAM; with 4 KB pages that is a TLB miss per 64
+// lines, and cold reads here ran ~20% faster from 2 MB pages (what THP_MEM_ALLOC_ENABLE=1 does
+// for every torch allocation). Asked for before the first touch, the packing writes fault huge
+// pages in; a no-op where THP is off or the range is smaller than one huge page.
+void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+}  // namespace
+
+at::Tensor panel_pack_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_panels: weight must be a 2-D fp32 CPU tensor [N, K], got ", weight.dim(),
+              "-D ", weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N >= 1 && K >= 1 && N <= INT32_MAX && K <= INT32_MAX,
+              "pack_panels: need 1 <= N, K < 2^31, got [", N, ", ", K, "]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t P = (N + kNR - 1) / kNR;
+  at::Tensor out = at::empty({kHeaderFloats + P * K * kNR}, weight.options());
+  float* o = out.data_ptr<float>();
+  advise_huge_pages(o, out.numel() * sizeof(float));
+  const int32_t h[kHeaderFloats] = {kMagic, kVersion, static_cast<int32_t>(N),
+                                    static_cast<int32_t>(K), kNR, static_cast<int32_t>(P)};
+  std::memcpy(o, h, sizeof h);
+  const float* src = w.data_ptr<float>();
+  float* dst = o + kHeaderFloats;
+  for (int64_t p = 0; p < P; ++p) {  // once per weight: a plain loop (~1 s for 425 MB)
+    float* panel = dst + p * K * kNR;
+    for (int j = 0; j < kNR; ++j) {
+      const int64_t n = p * kNR + j;
+      const float* row = src + n * K;
+      if (n < N) {
+        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = row[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = 0.f;
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed) {
+  const Header h = read_header(packed);
+  return {h.N, h.K};
+}
+
+at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias) {
+  const Header h = read_header(packed);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "panel_linear: x must be a 2-D fp32 CPU tensor [M, K], got ", x.dim(), "-D ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), "panel_linear: x must be contiguous");
+  TORCH_CHECK(x.size(1) == h.K, "panel_linear: x has K = ", x.size(1), ", the weight has K = ",
+              h.K);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 1 && bias->size(0) == h.N && bias->is_contiguous(),
+                "panel_linear: bias must be a contiguous fp32 CPU tensor [", h.N, "]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, h.N}, x.options());
+  if (M == 0) return y;
+  const Kernel kern = pick_kernel();
+  at::Tensor xt;  // one row is its own [K, 1] chunk: no copy
+  if (M > 1) {
+    xt = at::empty({M * h.K}, x.options());
+    transpose_chunks(x.data_ptr<float>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
+  }
+  Args a{M > 1 ? xt.data_ptr<float>() : x.data_ptr<float>(),
+         packed.data_ptr<float>() + kHeaderFloats, b, y.data_ptr<float>(), M, h.N, h.K};
+  // One thread's time, roughly: the weight bytes at ~20 GB/s or the flops at ~80 GFLOP/s.
+  const double w_bytes = static_cast<double>(h.P) * h.K * kNR * 4;
+  const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
+  const int nthreads = est_ns < kInlineNs ? 1 : at::get_num_threads();
+  // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming).
+  const int64_t ntasks = nthreads == 1 ? 1 : std::clamp<int64_t>(
+      static_cast<int64_t>(w_bytes / kTaskBytes), nthreads, 4 * nthreads);
+  const int64_t n = std::min(ntasks, h.P);
+  PanelPool::get().run(n, nthreads, [&](int64_t t) {
+    kern.run(a, h.P * t / n, h.P * (t + 1) / n);
+  });
+  return y;
+}
+
+}  // namespace freetoken
