@@ -4,8 +4,10 @@
 the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 python3 scripts/bench_step.py [--profile]
-    FREETOKEN_LINEAR=torch ...   # MKL F.linear instead of oneDNN packed weights
-    FREETOKEN_OPS=torch ...      # the torch decode attention (gather + SDPA), not the C++ kernel
+    FREETOKEN_LINEAR=onednn ...  # oneDNN packed weights instead of the panel kernel (fp32)
+    FREETOKEN_LINEAR=torch ...   # MKL F.linear
+    FREETOKEN_OPS=torch ...      # every freetoken._C kernel off: the torch twins (decode
+                                 # attention by gather + SDPA, unfused norms/RoPE/SiLU, no panels)
 
 --profile adds torch.profiler's op table for the classify and decode steps.
 """
