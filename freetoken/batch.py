@@ -16,7 +16,7 @@ import torch
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64, the tokens computed this step
     positions: torch.Tensor        # [T] int64, absolute position of each token in its sequence
-    slot_mapping: torch.Tensor     # [T] int64, flat KV slot (block_id * block_size + offset) to write
+    slot_mapping: torch.Tensor     # [T] int64, flat KV slot to write: block * block_size + offset
     query_start_loc: list[int]     # [S+1], offsets of each sequence's tokens in the step
     seq_lens: list[int]            # [S], context length of each sequence after this step
     block_tables: torch.Tensor     # [S, max_blocks] int32, the sequence's blocks in order (pad: 0)

@@ -2,7 +2,8 @@
 
 What it is for: turning a JSON body into prompt id lists plus `SamplingParams` (or an
 `InvalidRequest` whose `param` names the field and position), and turning engine `RequestOutput`
-deltas into OpenAI-shaped dicts (responses.py). Pure functions and plain data: no I/O, no engine, no HTTP.
+deltas into OpenAI-shaped dicts (responses.py). Pure functions and plain data: no I/O, no engine,
+no HTTP.
 What it is not: the HTTP edge (server.py renders errors and streams bytes).
 
 Two validation layers (docs/architecture.md section 5): pydantic v2 models, strict (a bool or a
