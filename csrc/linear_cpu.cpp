@@ -22,6 +22,11 @@
 // Numerics: fp32 products and sums (FMA where the ISA has one); the sum over k is split into KU
 // interleaved partial sums for small MR. The result is x @ W^T within fp32 rounding.
 //
+// bf16: the same panels hold bf16 weights (half the bytes: a decode step is twice as short a
+// stream); each panel row is widened to fp32 exactly (a 16-bit shift) and everything after is
+// the fp32 kernel; bf16 x is widened into the transposed copy, y is rounded to bf16 at the end
+// (as oneDNN's bf16 linear: fp32 accumulation, one rounding of the output).
+//
 // ISA: one body, compiled for AVX-512, AVX2+FMA and baseline x86-64 through target attributes and
 // chosen per call by freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), like
 // elementwise_cpu.cpp; no -march.
@@ -38,6 +43,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -61,7 +67,8 @@ namespace {
 constexpr int kNR = 16;                     // panel width in floats: one 64-byte line per k
 constexpr int32_t kMagic = 0x4C505446;      // "FTPL"
 constexpr int32_t kVersion = 1;
-constexpr int64_t kHeaderFloats = 16;       // 64 bytes, so panels stay 64-byte aligned
+constexpr int64_t kHeaderBytes = 64;        // so panels stay 64-byte aligned
+constexpr int32_t kDtypeF32 = 0, kDtypeBF16 = 1;  // header word 6: the weights' dtype
 constexpr int kChains = 8;                  // independent FMA chains wanted per micro-kernel
 constexpr int64_t kBlockBytes = 256 << 10;  // panels walked per row chunk when M > MR_max
 constexpr double kTaskBytes = 512 << 10;   // the least weight bytes per pool task
@@ -73,12 +80,13 @@ constexpr double kInlineNs = 150e3;
 // least kPrefetchMinRows rows: measured cold at 3072 x 576, one thread, 2 MB pages, it took M = 8
 // from 16 to 23 GB/s and M = 16 from 8.5 to 11 GB/s, but cost M = 1..4 ~10% (the hardware
 // prefetcher already keeps up when the FMAs per line are few).
-constexpr int64_t kPrefetchFloats = 8192 / 4;
+constexpr int64_t kPrefetchBytes = 8192;
 constexpr int kPrefetchMinRows = 6;
 
+template <typename WT>
 struct Args {
   const float* x;     // row chunks of x, each [K, mr] (transposed, so broadcasts share a line)
-  const float* w;     // panels [P, K, kNR]
+  const WT* w;        // panels [P, K, kNR], fp32 or bf16 (uint16_t)
   const float* bias;  // [N] or null
   float* y;           // [M, N], row stride N
   int64_t M, N, K;
@@ -96,6 +104,27 @@ FT_INLINE typename Vec<L>::type loadu(const float* p) {
   return v;
 }
 
+// One panel row's L weights as fp32: a load, and for bf16 the exact widening (bits << 16).
+template <int L>
+FT_INLINE typename Vec<L>::type load_w(const float* p) {
+  return loadu<L>(p);
+}
+template <int L>
+struct VecBits {
+  typedef uint16_t half __attribute__((vector_size(2 * L)));
+  typedef uint32_t full __attribute__((vector_size(4 * L)));
+};
+template <int L>
+FT_INLINE typename Vec<L>::type load_w(const uint16_t* p) {
+  typename VecBits<L>::half h;
+  std::memcpy(&h, p, sizeof h);
+  const typename VecBits<L>::full w =
+      __builtin_convertvector(h, typename VecBits<L>::full) << 16;
+  typename Vec<L>::type v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
 // NOTE: without this GCC folds the panel load into every FMA that uses it (MR loads of the same
 // line instead of one); that halved the L2-hot rate at M = 2 (38 -> 65 GB/s here).
 template <typename T>
@@ -107,15 +136,15 @@ FT_INLINE T in_register(T v) {
 }
 
 // Rows [r0, r0 + MR) of y, panels [p0, p1): the micro-kernel, L = floats per vector.
-template <int L, int MR, bool PF>
-FT_INLINE void panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+template <int L, int MR, bool PF, typename WT>
+FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
   using vf = typename Vec<L>::type;
   constexpr int V = kNR / L;  // vectors per panel row
   constexpr int KU = (kChains + MR * V - 1) / (MR * V);  // k unroll: >= kChains chains
   const int64_t K = a.K;
   const float* x = a.x + r0 * K;
   for (int64_t p = p0; p < p1; ++p) {
-    const float* wp = a.w + p * K * kNR;
+    const WT* wp = a.w + p * K * kNR;
     vf acc[KU][MR][V];
 #pragma GCC unroll 64
     for (int u = 0; u < KU; ++u)
@@ -127,10 +156,11 @@ FT_INLINE void panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
     for (; k + KU <= K; k += KU, wp += KU * kNR) {
 #pragma GCC unroll 64
       for (int u = 0; u < KU; ++u) {
-        if constexpr (PF) __builtin_prefetch(wp + u * kNR + kPrefetchFloats, 0, 2);  // t1
+        if constexpr (PF)  // t1
+          __builtin_prefetch(reinterpret_cast<const char*>(wp + u * kNR) + kPrefetchBytes, 0, 2);
         vf wv[V];
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) wv[v] = in_register(loadu<L>(wp + u * kNR + v * L));
+        for (int v = 0; v < V; ++v) wv[v] = in_register(load_w<L>(wp + u * kNR + v * L));
 #pragma GCC unroll 64
         for (int m = 0; m < MR; ++m) {
           const float xs = x[(k + u) * MR + m];
@@ -142,7 +172,7 @@ FT_INLINE void panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
     for (; k < K; ++k, wp += kNR) {
       vf wv[V];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) wv[v] = loadu<L>(wp + v * L);
+      for (int v = 0; v < V; ++v) wv[v] = load_w<L>(wp + v * L);
 #pragma GCC unroll 64
       for (int m = 0; m < MR; ++m) {
         const float xs = x[k * MR + m];
@@ -179,8 +209,8 @@ FT_INLINE void panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
 }
 
 // MR from the run-time row count mr (1..MR): one instantiation per value.
-template <int L, int MR>
-FT_INLINE void panels_rows(const Args& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
+template <int L, int MR, typename WT>
+FT_INLINE void panels_rows(const Args<WT>& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
   if constexpr (MR > 1) {
     if (mr < MR) return panels_rows<L, MR - 1>(a, mr, r0, p0, p1);
   }
@@ -188,11 +218,11 @@ FT_INLINE void panels_rows(const Args& a, int mr, int64_t r0, int64_t p0, int64_
 }
 
 // Panels [p0, p1) for every row: rows cut into equal chunks of at most MRMAX.
-template <int L, int MRMAX>
-FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
+template <int L, int MRMAX, typename WT>
+FT_INLINE void run(const Args<WT>& a, int64_t p0, int64_t p1) {
   const int64_t chunks = (a.M + MRMAX - 1) / MRMAX;
-  const int64_t block =
-      chunks == 1 ? p1 - p0 : std::max<int64_t>(1, kBlockBytes / (a.K * kNR * 4));
+  const int64_t block = chunks == 1 ? p1 - p0
+                                    : std::max<int64_t>(1, kBlockBytes / (a.K * kNR * sizeof(WT)));
   for (int64_t b0 = p0; b0 < p1; b0 += block) {
     const int64_t b1 = std::min(p1, b0 + block);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -203,52 +233,78 @@ FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
 }
 
 // Registers: AVX-512 has 32 of one panel row each; AVX2 16 of half a row; SSE2 16 of a quarter.
-FT_TARGET_AVX512 void run_avx512(const Args& a, int64_t p0, int64_t p1) { run<16, 16>(a, p0, p1); }
-FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) { run<8, 6>(a, p0, p1); }
-void run_base(const Args& a, int64_t p0, int64_t p1) { run<4, 2>(a, p0, p1); }
+template <typename WT>
+FT_TARGET_AVX512 void run_avx512(const Args<WT>& a, int64_t p0, int64_t p1) {
+  run<16, 16>(a, p0, p1);
+}
+template <typename WT>
+FT_TARGET_AVX2 void run_avx2(const Args<WT>& a, int64_t p0, int64_t p1) {
+  run<8, 6>(a, p0, p1);
+}
+template <typename WT>
+void run_base(const Args<WT>& a, int64_t p0, int64_t p1) {
+  run<4, 2>(a, p0, p1);
+}
 
+template <typename WT>
 struct Kernel {
-  void (*run)(const Args&, int64_t, int64_t);
+  void (*run)(const Args<WT>&, int64_t, int64_t);
   int64_t mr_max;  // the MRMAX it was instantiated with: x's chunks must match
 };
 
-Kernel pick_kernel() {
+template <typename WT>
+Kernel<WT> pick_kernel() {
   const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (name == "avx512") return {&run_avx512, 16};
-  if (name == "avx2") return {&run_avx2, 6};
-  return {&run_base, 2};
+  if (name == "avx512") return {&run_avx512<WT>, 16};
+  if (name == "avx2") return {&run_avx2<WT>, 6};
+  return {&run_base<WT>, 2};
 }
 
+FT_INLINE float to_float(float v) { return v; }
+FT_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
 // x [M, K] -> the chunks run() walks, each [K, mr] at offset r0 * K (a copy of M * K floats).
-void transpose_chunks(const float* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
+template <typename XT>
+void transpose_chunks(const XT* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
   const int64_t chunks = (M + mr_max - 1) / mr_max;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
     float* o = out + r0 * K;
     for (int64_t m = 0; m < mr; ++m) {
-      const float* row = x + (r0 + m) * K;
-      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = row[k];
+      const XT* row = x + (r0 + m) * K;
+      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = to_float(row[k]);
     }
   }
 }
 
 struct Header {
   int64_t N, K, P;
+  at::ScalarType dtype;  // of the weights: kFloat or kBFloat16
+  int64_t offset;        // elements before the first panel (the header)
 };
 
+int64_t header_elements(at::ScalarType dtype) {
+  return kHeaderBytes / static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 Header read_header(const at::Tensor& packed) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat &&
+  TORCH_CHECK(packed.device().is_cpu() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
                   packed.dim() == 1 && packed.is_contiguous(),
-              "panel_linear: packed must be the 1-D fp32 CPU tensor from pack_panels");
-  TORCH_CHECK(packed.numel() >= kHeaderFloats, "panel_linear: packed is too short for a header");
-  int32_t h[kHeaderFloats];
-  std::memcpy(h, packed.data_ptr<float>(), sizeof h);
+              "panel_linear: packed must be the 1-D fp32 or bf16 CPU tensor from pack_panels");
+  const int64_t off = header_elements(packed.scalar_type());
+  TORCH_CHECK(packed.numel() >= off, "panel_linear: packed is too short for a header");
+  int32_t h[kHeaderBytes / 4];
+  std::memcpy(h, packed.data_ptr(), sizeof h);
   TORCH_CHECK(h[0] == kMagic && h[1] == kVersion && h[4] == kNR,
               "panel_linear: packed has no panel header (not made by pack_panels, or another "
               "version)");
-  const Header hd{h[2], h[3], h[5]};
+  const at::ScalarType dtype = h[6] == kDtypeBF16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK((h[6] == kDtypeF32 || h[6] == kDtypeBF16) && dtype == packed.scalar_type(),
+              "panel_linear: packed's header names another dtype than the tensor's");
+  const Header hd{h[2], h[3], h[5], dtype, off};
   TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && hd.P == (hd.N + kNR - 1) / kNR &&
-                  packed.numel() == kHeaderFloats + hd.P * hd.K * kNR,
+                  packed.numel() == off + hd.P * hd.K * kNR,
               "panel_linear: packed's header does not match its size");
   return hd;
 }
@@ -345,34 +401,43 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 }  // namespace
 
+template <typename T>
+void fill_panels(const T* src, int64_t N, int64_t K, int64_t P, T* dst) {
+  for (int64_t p = 0; p < P; ++p) {  // once per weight: a plain loop (~1 s for 425 MB)
+    T* panel = dst + p * K * kNR;
+    for (int j = 0; j < kNR; ++j) {
+      const int64_t n = p * kNR + j;
+      const T* row = src + n * K;
+      if (n < N) {
+        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = row[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = T(0);
+      }
+    }
+  }
+}
+
 at::Tensor panel_pack_cpu(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-              "pack_panels: weight must be a 2-D fp32 CPU tensor [N, K], got ", weight.dim(),
-              "-D ", weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack_panels: weight must be a 2-D fp32 or bf16 CPU tensor [N, K], got ",
+              weight.dim(), "-D ", weight.scalar_type());
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(N >= 1 && K >= 1 && N <= INT32_MAX && K <= INT32_MAX,
               "pack_panels: need 1 <= N, K < 2^31, got [", N, ", ", K, "]");
   const at::Tensor w = weight.contiguous();
-  const int64_t P = (N + kNR - 1) / kNR;
-  at::Tensor out = at::empty({kHeaderFloats + P * K * kNR}, weight.options());
-  float* o = out.data_ptr<float>();
-  advise_huge_pages(o, out.numel() * sizeof(float));
-  const int32_t h[kHeaderFloats] = {kMagic, kVersion, static_cast<int32_t>(N),
-                                    static_cast<int32_t>(K), kNR, static_cast<int32_t>(P)};
-  std::memcpy(o, h, sizeof h);
-  const float* src = w.data_ptr<float>();
-  float* dst = o + kHeaderFloats;
-  for (int64_t p = 0; p < P; ++p) {  // once per weight: a plain loop (~1 s for 425 MB)
-    float* panel = dst + p * K * kNR;
-    for (int j = 0; j < kNR; ++j) {
-      const int64_t n = p * kNR + j;
-      const float* row = src + n * K;
-      if (n < N) {
-        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = row[k];
-      } else {
-        for (int64_t k = 0; k < K; ++k) panel[k * kNR + j] = 0.f;
-      }
-    }
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const int64_t P = (N + kNR - 1) / kNR, off = header_elements(weight.scalar_type());
+  at::Tensor out = at::empty({off + P * K * kNR}, weight.options());
+  advise_huge_pages(out.data_ptr(), out.numel() * out.element_size());
+  const int32_t h[kHeaderBytes / 4] = {kMagic, kVersion, static_cast<int32_t>(N),
+                                       static_cast<int32_t>(K), kNR, static_cast<int32_t>(P),
+                                       bf16 ? kDtypeBF16 : kDtypeF32};
+  std::memcpy(out.data_ptr(), h, sizeof h);
+  if (bf16) {
+    fill_panels(w.data_ptr<at::BFloat16>(), N, K, P, out.data_ptr<at::BFloat16>() + off);
+  } else {
+    fill_panels(w.data_ptr<float>(), N, K, P, out.data_ptr<float>() + off);
   }
   return out;
 }
@@ -382,35 +447,26 @@ std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed) {
   return {h.N, h.K};
 }
 
-at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
-                            const c10::optional<at::Tensor>& bias) {
-  const Header h = read_header(packed);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "panel_linear: x must be a 2-D fp32 CPU tensor [M, K], got ", x.dim(), "-D ",
-              x.scalar_type());
-  TORCH_CHECK(x.is_contiguous(), "panel_linear: x must be contiguous");
-  TORCH_CHECK(x.size(1) == h.K, "panel_linear: x has K = ", x.size(1), ", the weight has K = ",
-              h.K);
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                    bias->dim() == 1 && bias->size(0) == h.N && bias->is_contiguous(),
-                "panel_linear: bias must be a contiguous fp32 CPU tensor [", h.N, "]");
-    b = bias->data_ptr<float>();
-  }
+namespace {
+
+template <typename WT, typename XT>
+void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+                       const float* b, at::Tensor& y) {
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, h.N}, x.options());
-  if (M == 0) return y;
-  const Kernel kern = pick_kernel();
-  at::Tensor xt;  // one row is its own [K, 1] chunk: no copy
-  if (M > 1) {
-    xt = at::empty({M * h.K}, x.options());
-    transpose_chunks(x.data_ptr<float>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
+  const Kernel<WT> kern = pick_kernel<WT>();
+  at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
+  const float* xp = nullptr;
+  if (M > 1 || !std::is_same_v<XT, float>) {
+    xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
+    transpose_chunks(x.data_ptr<XT>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
+    xp = xt.data_ptr<float>();
+  } else {
+    xp = reinterpret_cast<const float*>(x.data_ptr<XT>());
   }
-  Args a{M > 1 ? xt.data_ptr<float>() : x.data_ptr<float>(),
-         packed.data_ptr<float>() + kHeaderFloats, b, y.data_ptr<float>(), M, h.N, h.K};
+  const WT* w = reinterpret_cast<const WT*>(packed.data_ptr()) + h.offset;
+  Args<WT> a{xp, w, b, y.data_ptr<float>(), M, h.N, h.K};
   // One thread's time, roughly: the weight bytes at ~20 GB/s or the flops at ~80 GFLOP/s.
-  const double w_bytes = static_cast<double>(h.P) * h.K * kNR * 4;
+  const double w_bytes = static_cast<double>(h.P) * h.K * kNR * sizeof(WT);
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
   const int nthreads = est_ns < kInlineNs ? 1 : at::get_num_threads();
   // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming).
@@ -420,6 +476,37 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
   PanelPool::get().run(n, nthreads, [&](int64_t t) {
     kern.run(a, h.P * t / n, h.P * (t + 1) / n);
   });
+}
+
+}  // namespace
+
+at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias) {
+  const Header h = read_header(packed);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == h.dtype && x.dim() == 2,
+              "panel_linear: x must be a 2-D CPU tensor [M, K] of the weight's dtype (",
+              h.dtype, "), got ", x.dim(), "-D ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), "panel_linear: x must be contiguous");
+  TORCH_CHECK(x.size(1) == h.K, "panel_linear: x has K = ", x.size(1), ", the weight has K = ",
+              h.K);
+  at::Tensor b32;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == h.dtype &&
+                    bias->dim() == 1 && bias->size(0) == h.N && bias->is_contiguous(),
+                "panel_linear: bias must be a contiguous CPU tensor [", h.N, "] of the weight's "
+                "dtype (", h.dtype, ")");
+    b32 = bias->to(at::kFloat);
+    b = b32.data_ptr<float>();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, h.N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y.to(h.dtype);
+  if (h.dtype == at::kBFloat16) {
+    panel_linear_impl<uint16_t, at::BFloat16>(x, packed, h, b, y);
+    return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
+  }
+  panel_linear_impl<float, float>(x, packed, h, b, y);
   return y;
 }
 

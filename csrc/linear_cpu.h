@@ -8,14 +8,16 @@
 
 namespace freetoken {
 
-// W [N, K] fp32 -> the packed form: a 1-D fp32 tensor, a 64-byte header (int32 words: magic,
-// version, N, K, NR, number of panels) then ceil(N / NR) panels [K, NR], columns >= N zero.
+// W [N, K] fp32 or bf16 -> the packed form: a 1-D tensor of W's dtype, a 64-byte header (int32
+// words: magic, version, N, K, NR, number of panels, dtype 0 fp32 / 1 bf16) then ceil(N / NR)
+// panels [K, NR], columns >= N zero.
 at::Tensor panel_pack_cpu(const at::Tensor& weight);
 
 // {N, K} of a packed tensor (checks its header).
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed);
 
-// x [M, K] fp32 contiguous, bias [N] fp32 or none -> y [M, N] fp32.
+// x [M, K] contiguous, bias [N] or none, both of the weight's dtype -> y [M, N] of that dtype
+// (fp32 sums; bf16 y is their one rounding).
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias);
 

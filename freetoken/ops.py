@@ -8,8 +8,8 @@
     silu_mul(gate_up, intermediate_size) -> act;  rope_(q, k, cos, sin) (in place)
       (the Llama forward's elementwise ops: fused on the CPU ext for fp32/bf16, else the twin)
     pack_panels(weight) -> packed;  panel_linear(x, packed, bias=None) -> x @ W^T (+ bias)
-      panel_linear_available(x), panel_shape(packed) -> (N, K)  (CPU ext only, fp32, no twin:
-      the small-M decode linear over weights packed once; see csrc/linear_cpu.cpp)
+      panel_linear_available(x), panel_shape(packed) -> (N, K)  (CPU ext only, fp32 or bf16, no
+      twin: the small-M decode linear over weights packed once; see csrc/linear_cpu.cpp)
 
 Per row r of logits [B, V] (fp32/bf16/fp16), with x(t) = logit(t) + bias(t) computed in fp32:
   * the row's *set* is its allowed ids (duplicates count once), or the whole vocabulary when its
@@ -524,16 +524,17 @@ def _rope_torch_(q, k, cos, sin):
 
 
 # ---------------------------------------------------------------------------------------------
-# the panel linear (CPU ext, fp32): y = x @ W^T (+ bias) over W packed once, for decode's few rows
+# the panel linear (CPU ext, fp32/bf16): y = x @ W^T (+ bias) over W packed once, for decode
 
 _HAS_PANEL = _C is not None and hasattr(_C, "panel_linear")  # False for a stale build
+_PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def panel_linear_available(x: torch.Tensor) -> bool:
     """True when panel_linear serves x: the extension is built with it, x is on a device it
-    serves on the CPU ("ext-cpu") and x is fp32. There is no torch twin for the packed format;
-    callers keep their own path (freetoken/model/linear.py) where this is False."""
-    return x.dtype == torch.float32 and _HAS_PANEL and backend_for(x.device) == "ext-cpu"
+    serves on the CPU ("ext-cpu") and x is fp32 or bf16. There is no torch twin for the packed
+    format; callers keep their own path (freetoken/model/linear.py) where this is False."""
+    return x.dtype in _PANEL_DTYPES and _HAS_PANEL and backend_for(x.device) == "ext-cpu"
 
 
 def _need_panel(fn: str) -> None:
@@ -543,14 +544,15 @@ def _need_panel(fn: str) -> None:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] fp32 CPU -> packed: a 1-D fp32 tensor, a 64-byte header (int32 words:
-    magic, version, N, K, 16, number of panels) then ceil(N / 16) panels [K, 16], panel p holding
-    W[16p:16p+16, :].T with rows >= N zero. Opaque to everything but panel_linear / panel_shape;
-    it survives clone(), torch.save and nn.Parameter (the header travels with the data)."""
+    """weight [N, K] fp32 or bf16 CPU -> packed: a 1-D tensor of its dtype, a 64-byte header
+    (int32 words: magic, version, N, K, 16, number of panels, dtype) then ceil(N / 16) panels
+    [K, 16], panel p holding W[16p:16p+16, :].T with rows >= N zero. Opaque to everything but
+    panel_linear / panel_shape; it survives clone(), torch.save and nn.Parameter (the header
+    travels with the data)."""
     _need_panel("pack_panels")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32 \
-            or weight.device.type != "cpu":
-        raise ValueError("pack_panels: weight must be a 2-D fp32 CPU tensor [N, K]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
+            or weight.dtype not in _PANEL_DTYPES or weight.device.type != "cpu":
+        raise ValueError("pack_panels: weight must be a 2-D fp32 or bf16 CPU tensor [N, K]")
     if weight.shape[0] == 0 or weight.shape[1] == 0:
         raise ValueError(f"pack_panels: weight must not be empty, got {tuple(weight.shape)}")
     return _C.panel_pack(weight.detach())
@@ -565,10 +567,11 @@ def panel_shape(packed: torch.Tensor) -> tuple[int, int]:
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32, contiguous -> x @ W^T (+ bias [N] fp32) [..., N], W = the weight that
-    `packed` came from. fp32 sums (within fp32 rounding of x.double() @ W.double().T); fastest
-    for few rows (decode), correct for any. Raises ValueError on a bad x, bias or packed,
-    RuntimeError without the extension. No autograd."""
+    """x [..., K] contiguous, of the packed weight's dtype -> x @ W^T (+ bias [N], same dtype)
+    [..., N] in that dtype, W = the weight that `packed` came from. fp32 sums (within fp32
+    rounding of x.double() @ W.double().T; bf16: that, rounded once); fastest for few rows
+    (decode), correct for any. Raises ValueError on a bad x, bias or packed, RuntimeError
+    without the extension. No autograd."""
     _need_panel("panel_linear")
     # NOTE: the C++ side checks everything; the Python checks run only once it has refused, to
     # name the problem as a ValueError. Checking first cost 4 us a call (a 1.3 MB weight: 60 us).
@@ -589,14 +592,17 @@ def _check_panel_args(x, packed, bias) -> None:
         n, k = panel_shape(packed)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype != torch.float32 \
+    dtype = packed.dtype
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype != dtype \
             or x.device.type != "cpu":
-        raise ValueError("panel_linear: x must be an fp32 CPU tensor [..., K]")
+        raise ValueError(f"panel_linear: x must be a CPU tensor [..., K] of the weight's dtype "
+                         f"({dtype})")
     if x.shape[-1] != k:
         raise ValueError(f"panel_linear: x has K = {x.shape[-1]}, the packed weight has K = {k}")
     if not x.is_contiguous():
         raise ValueError("panel_linear: x must be contiguous (a copy would hide its cost)")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != dtype
                              or tuple(bias.shape) != (n,) or bias.device.type != "cpu"
                              or not bias.is_contiguous()):
-        raise ValueError(f"panel_linear: bias must be a contiguous fp32 CPU tensor [{n}]")
+        raise ValueError(f"panel_linear: bias must be a contiguous CPU tensor [{n}] of the "
+                         f"weight's dtype ({dtype})")

@@ -1,6 +1,6 @@
-"""The packed linears: panels (fp32, freetoken._C) and oneDNN (bf16, or FREETOKEN_LINEAR=onednn)
-give F.linear's numbers, FREETOKEN_LINEAR=torch is the way out, and a model runs the same in
-every form. The panel kernel itself is tested in tests/test_panel_linear.py."""
+"""The packed linears: panels (fp32; bf16 for few rows, freetoken._C) and oneDNN (bf16, or
+FREETOKEN_LINEAR=onednn) give F.linear's numbers, FREETOKEN_LINEAR=torch is the way out, and a
+model runs the same in every form. The panel kernel itself: tests/test_panel_linear.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from freetoken import ops
 from freetoken.generate import build_forward_batch
 from freetoken.model.linear import (
+    FEW_ROWS,
     Linear,
     linear,
+    pack_few_rows,
     pack_weight,
     packed_form,
     packing_available,
@@ -53,15 +55,24 @@ def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, monkeypatch):
 
 
 @needs_packing
-def test_bf16_goes_to_onednn():
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("mode", FORMS)
+@pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, FEW_ROWS + 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_bf16(mode, rows, bias, monkeypatch):
+    """bf16: oneDNN serves every row count; with the panels too, they take <= FEW_ROWS rows."""
+    monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+    g = torch.Generator().manual_seed(rows)
     w = torch.randn(64, 32, generator=g).bfloat16()
-    x = torch.randn(5, 32, generator=g).bfloat16()
-    packed = pack_weight(w)
-    assert packed_form(packed) == "onednn" and not panels_available(w)
-    got = linear(x, packed, None)
+    b = torch.randn(64, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 32, generator=g).bfloat16()
+    packed, few = pack_weight(w), pack_few_rows(w)
+    assert packed_form(packed) == "onednn"
+    assert (few is not None) == (mode == "auto" and panels_available(w))
+    got = linear(x, packed, b, few)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=0.1, rtol=0.02)
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=0.1, rtol=0.02)
+    if few is not None and rows <= FEW_ROWS:  # it is the panels' result, bitwise
+        assert torch.equal(got, ops.panel_linear(x, few, b))
 
 
 @needs_packing
@@ -120,3 +131,27 @@ def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
     h = torch.randn(3, m.config.hidden_size)
     torch.testing.assert_close(m.compute_logits(h), F.linear(h, m.embed_tokens.weight),
                                atol=1e-4, rtol=1e-5)
+
+
+@needs_panels
+def test_bf16_model_uses_the_panels_for_few_rows(tiny_checkpoint, monkeypatch):
+    from freetoken.loader import load_model
+
+    path, _ = tiny_checkpoint("llama")  # tied embeddings: the lm_head's copy too
+    models = {}
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+        models[mode] = load_model(path, dtype=torch.bfloat16, load_tokenizer=False,
+                                  progress=False)
+    auto, onednn = models["auto"].model, models["onednn"].model
+    assert packed_form(auto.layers[0].mlp.gate_up_proj.weight) == "onednn"
+    assert packed_form(auto.layers[0].mlp.gate_up_proj.few_rows) == "panels"
+    assert onednn.layers[0].mlp.gate_up_proj.few_rows is None
+    if auto.lm_head is None:
+        assert packed_form(auto.lm_head_few_rows) == "panels"
+    seqs = [([3, 4, 5], 0, [0]), ([6, 7], 0, [1])]  # 5 tokens: the few-rows path
+    out = []
+    for m in (auto, onednn):
+        kv = m.make_kv_cache(4, 4)
+        out.append(m.compute_logits(m.forward(build_forward_batch(seqs, 4), kv)))
+    torch.testing.assert_close(out[0], out[1], atol=0.05, rtol=0.02)

@@ -141,10 +141,12 @@ def test_bad_inputs_raise():
     w = torch.randn(20, 9)
     p = ops.pack_panels(w)
     x = torch.randn(3, 9)
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="of the weight's dtype"):
         ops.panel_linear(x.double(), p)
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="of the weight's dtype"):
         ops.panel_linear(x.bfloat16(), p)
+    with pytest.raises(ValueError, match="of the weight's dtype"):
+        ops.panel_linear(x, ops.pack_panels(w.bfloat16()))
     with pytest.raises(ValueError, match="K = 8, the packed weight has K = 9"):
         ops.panel_linear(torch.randn(3, 8), p)
     with pytest.raises(ValueError, match="contiguous"):
@@ -155,9 +157,9 @@ def test_bad_inputs_raise():
         ops.panel_linear(x, p, torch.randn(19))
     with pytest.raises(ValueError, match="bias"):
         ops.panel_linear(x, p, torch.randn(20).double())
-    with pytest.raises(ValueError, match="2-D fp32"):
+    with pytest.raises(ValueError, match="2-D fp32 or bf16"):
         ops.pack_panels(w.double())
-    with pytest.raises(ValueError, match="2-D fp32"):
+    with pytest.raises(ValueError, match="2-D fp32 or bf16"):
         ops.pack_panels(torch.randn(20))
     with pytest.raises(ValueError, match="empty"):
         ops.pack_panels(torch.randn(0, 9))
@@ -166,10 +168,14 @@ def test_bad_inputs_raise():
         ops.panel_linear(x, torch.randn(p.numel()))
     with pytest.raises(ValueError, match="does not match its size"):
         ops.panel_linear(x, p[:-16].clone())
-    with pytest.raises(ValueError, match="1-D fp32"):
+    with pytest.raises(ValueError, match="1-D fp32 or bf16"):
         ops.panel_linear(x, w)
-    with pytest.raises(ValueError, match="fp32 CPU tensor"):
+    with pytest.raises(ValueError, match="CPU tensor"):
         ops.panel_linear([[1.0] * 9], p)
+    # a bf16 pack relabelled as fp32 (its header names bf16)
+    pb = ops.pack_panels(w.bfloat16())
+    with pytest.raises(ValueError, match="another dtype"):
+        ops.panel_linear(x, pb.view(torch.int16).view(torch.float32)[:p.numel()].clone())
     with pytest.raises(ValueError, match="contiguous"):
         ops.panel_linear(torch.randn(2, 3, 18)[..., ::2], p)
     # the C++ checks stand on their own too (what a direct _C caller gets)
@@ -188,7 +194,37 @@ def test_without_extension_is_a_clear_error(monkeypatch):
         ops.pack_panels(torch.randn(4, 4))
 
 
-def test_available_only_for_fp32_cpu():
+def test_available_for_fp32_and_bf16_cpu():
     assert ops.panel_linear_available(torch.empty(2, 3))
-    assert not ops.panel_linear_available(torch.empty(2, 3, dtype=torch.bfloat16))
+    assert ops.panel_linear_available(torch.empty(2, 3, dtype=torch.bfloat16))
     assert not ops.panel_linear_available(torch.empty(2, 3, dtype=torch.float64))
+
+
+# bf16: the weights and x are widened exactly, the sums are the fp32 kernel's (same order), y is
+# rounded once. So y is bitwise the fp32 kernel's result on the same (bf16-valued) inputs, rounded
+# to bf16; and that fp32 result is held to the fp64 reference.
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 17, 64])
+@pytest.mark.parametrize("N, K", [(17, 15), (960, 576), (576, 1536), (3072, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_is_the_fp32_kernel_rounded_once(isa, M, N, K, bias):
+    x, w, b = _case(M, N, K, bias, seed=5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    bb = None if b is None else b.bfloat16()
+    y = ops.panel_linear(xb, ops.pack_panels(wb), bb)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    y32 = ops.panel_linear(xb.float(), ops.pack_panels(wb.float()),
+                           None if bb is None else bb.float())
+    _check(xb.float(), wb.float(), None if bb is None else bb.float(), y32)
+    assert torch.equal(y, y32.bfloat16())
+
+
+def test_bf16_pack_layout_and_shape():
+    w = torch.randn(20, 9).bfloat16()
+    p = ops.pack_panels(w)
+    assert p.dtype == torch.bfloat16 and p.dim() == 1
+    assert p.numel() == 32 + 2 * 9 * 16  # a 64-byte header, then 2 panels [9, 16]
+    assert ops.panel_shape(p) == (20, 9)
+    panel0 = p[32:32 + 9 * 16].view(9, 16)
+    assert torch.equal(panel0, w[:16].T)
+    assert torch.equal(p[32 + 9 * 16:].view(9, 16)[:, :4], w[16:].T)
+    assert bool((p[32 + 9 * 16:].view(9, 16)[:, 4:] == 0).all())

@@ -20,7 +20,14 @@ from freetoken import ops
 from freetoken.batch import ForwardBatch, KVCache
 from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import Linear, linear, pack_weight, packed_form, packing_available
+from freetoken.model.linear import (
+    Linear,
+    linear,
+    pack_few_rows,
+    pack_weight,
+    packed_form,
+    packing_available,
+)
 
 
 class RMSNorm(nn.Module):
@@ -190,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU)
+        self.lm_head_few_rows: torch.Tensor | None = None  # and its bf16 panels (pack_few_rows)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
@@ -228,8 +236,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] fp32
+        if self.lm_head is not None:
+            return self.lm_head(hidden.to(self.embed_tokens.weight.dtype)).float()
         weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight
-        return linear(hidden.to(weight.dtype), weight, None).float()
+        return linear(hidden.to(weight.dtype), weight, None, self.lm_head_few_rows).float()
 
     def pack_linears(self) -> str:
         """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py).
@@ -246,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.pack()
         else:
             self.lm_head_packed = pack_weight(self.embed_tokens.weight)
+            self.lm_head_few_rows = pack_few_rows(self.embed_tokens.weight)
         return packed_form(self.layers[0].self_attn.qkv_proj.weight)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
