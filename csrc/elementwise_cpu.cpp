@@ -23,6 +23,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpu_target.h"
 #include "ops_torch.h"
 
 // NOTE: the kernel sections (everything above the torch glue) use -fno-trapping-math. Results are
@@ -38,15 +39,6 @@
 namespace freetoken {
 namespace {
 
-#define FT_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FT_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")))
-#define FT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
-#else
-#define FT_TARGET_AVX512
-#define FT_TARGET_AVX2
-#endif
 
 using bf16_t = uint16_t;  // the bits of a c10::BFloat16
 

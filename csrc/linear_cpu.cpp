@@ -49,20 +49,13 @@
 #include <sys/mman.h>
 #endif
 
+#include "cpu_target.h"
 #include "ops_torch.h"
+#include "task_pool.h"
 
 namespace freetoken {
 namespace {
 
-#define FT_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FT_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")))
-#define FT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
-#else
-#define FT_TARGET_AVX512
-#define FT_TARGET_AVX2
-#endif
 
 constexpr int kNR = 16;                     // panel width in floats: one 64-byte line per k
 constexpr int32_t kMagic = 0x4C505446;      // "FTPL"
@@ -309,79 +302,6 @@ Header read_header(const at::Tensor& packed) {
   return hd;
 }
 
-// A tiny pool with dynamic claiming of contiguous panel ranges, after TaskPool in ops_cpu.cpp.
-// NOTE: at::parallel_for is serial in this extension (setup.py compiles without -fopenmp, so
-// ATen's inline OpenMP backend becomes a plain call); hence a pool. The caller starts on the
-// tasks at once and waits only for tasks a helper actually claimed, so a helper that wakes late
-// (PASSIVE wait policy, a core busy with another process) costs nothing. A second concurrent
-// caller, or a forked child (no helpers), runs its tasks alone.
-class PanelPool {
- public:
-  static PanelPool& get() {
-    static PanelPool* pool = new PanelPool();  // never destroyed: helpers are detached
-    return *pool;
-  }
-
-  void run(int64_t n, int nthreads, const std::function<void(int64_t)>& fn) {
-    std::unique_lock<std::mutex> caller(run_mu_, std::try_to_lock);
-    if (!caller.owns_lock() || nthreads <= 1 || n <= 1) {
-      for (int64_t t = 0; t < n; ++t) fn(t);
-      return;
-    }
-    std::unique_lock<std::mutex> lk(mu_);
-    while (static_cast<int>(helpers_) < nthreads - 1) {
-      std::thread(&PanelPool::helper, this).detach();
-      ++helpers_;
-    }
-    fn_ = &fn;
-    n_ = n;
-    next_ = 0;
-    joined_ = 0;
-    max_join_ = nthreads - 1;
-    ++gen_;
-    lk.unlock();
-    cv_work_.notify_all();
-    lk.lock();
-    drain(lk);
-    cv_done_.wait(lk, [&] { return busy_ == 0; });
-    fn_ = nullptr;
-    n_ = 0;
-  }
-
- private:
-  void drain(std::unique_lock<std::mutex>& lk) {
-    while (next_ < n_) {
-      const int64_t t = next_++;
-      ++busy_;
-      const auto* fn = fn_;
-      lk.unlock();
-      (*fn)(t);  // the kernel does not throw
-      lk.lock();
-      if (--busy_ == 0 && next_ >= n_) cv_done_.notify_all();
-    }
-  }
-
-  void helper() {
-    std::unique_lock<std::mutex> lk(mu_);
-    uint64_t seen = gen_;
-    while (true) {
-      cv_work_.wait(lk, [&] { return gen_ != seen; });
-      seen = gen_;
-      if (joined_ >= max_join_) continue;
-      ++joined_;
-      drain(lk);
-    }
-  }
-
-  std::mutex run_mu_;  // one caller at a time
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0, next_ = 0;
-  int busy_ = 0, joined_ = 0, max_join_ = 0;
-  unsigned helpers_ = 0;
-  uint64_t gen_ = 0;
-};
 
 // NOTE: a decode step streams every weight from DRAM; with 4 KB pages that is a TLB miss per 64
 // lines, and cold reads here ran ~20% faster from 2 MB pages (what THP_MEM_ALLOC_ENABLE=1 does
@@ -473,7 +393,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Head
   const int64_t ntasks = nthreads == 1 ? 1 : std::clamp<int64_t>(
       static_cast<int64_t>(w_bytes / kTaskBytes), nthreads, 4 * nthreads);
   const int64_t n = std::min(ntasks, h.P);
-  PanelPool::get().run(n, nthreads, [&](int64_t t) {
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
     kern.run(a, h.P * t / n, h.P * (t + 1) / n);
   });
 }
