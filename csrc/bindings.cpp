@@ -4,6 +4,7 @@
 #include "linear_cpu.h"
 #include "ops.h"
 #include "ops_torch.h"
+#include "paged_attention_cpu.h"
 
 namespace {
 
@@ -49,6 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU: one query token per sequence over its paged K/V, read in place -> [S, nh, hd]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window"));
+  m.def("paged_attention", &freetoken::paged_attention_cpu,
+        "CPU: causal attention of each sequence's query tokens over its paged K/V, read in "
+        "place -> [T, nh, hd]", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
+        py::arg("scale"), py::arg("window"));
   m.def("rms_norm", &freetoken::rms_norm_cpu,
         "CPU: RMSNorm over the rows of x [T, H] -> [T, H] (weight's dtype if fp32)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -449,6 +449,39 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 # ---------------------------------------------------------------------------------------------
+# paged attention for any number of query tokens per sequence (CPU)
+
+_HAS_PAGED_ATTENTION = _C is not None and hasattr(_C, "paged_attention")  # False: stale build
+_PAGED_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when freetoken._C serves paged_attention for `dtype` tensors on `device` (the CPU
+    extension in use, fp32 / bf16 / fp16); otherwise freetoken/model/attention.py keeps its torch
+    path (gather + SDPA), which is also this kernel's reference in tests/test_attention.py."""
+    return (dtype in _PAGED_ATTENTION_DTYPES and _HAS_PAGED_ATTENTION
+            and backend_for(device) == "ext-cpu")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float,
+                    window: int | None) -> torch.Tensor:
+    """q [T, nh, hd] (heads contiguous, any row stride); k_cache, v_cache [NB, bs, kvh, hd]
+    contiguous, one dtype; block_tables int64 [S, nb], seq_lens int64 [S], query_start_loc int64
+    [S + 1], all contiguous. Sequence s's query tokens are rows qsl[s]..qsl[s+1]-1 at positions
+    seq_lens[s] - n_q + i; each attends causally to keys 0..its position read in place from the
+    pool through block_tables (window: only keys p > pos - window), head h to kv head
+    h // (nh // kvh). fp32 scores, softmax and sums. -> [T, nh, hd] in q's dtype. Bad arguments
+    (a block outside the pool, seq_len < n_q, shapes, dtypes) raise ValueError. No autograd."""
+    if not _HAS_PAGED_ATTENTION:
+        why = _IMPORT_ERROR if _C is None else "this build has no paged_attention (rebuild it)"
+        raise RuntimeError(f"paged_attention needs freetoken._C: {why}")
+    return _C.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              float(scale), int(window or 0))
+
+
+# ---------------------------------------------------------------------------------------------
 # fused elementwise ops of the Llama forward (CPU ext); each twin is llama.py's torch code
 
 _ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)

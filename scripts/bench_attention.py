@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Decode attention per layer: the extension's in-place paged kernel (ops.paged_decode_attention)
-against the torch path (gather the context by blocks, then SDPA), on SmolLM2's shapes.
+"""Paged attention per layer on SmolLM2's shapes: the extension's in-place kernel
+(ops.paged_attention, every sequence in one call) against the torch path (gather the context by
+blocks, then one padded SDPA with an additive mask) and, for one query token per sequence, the
+older decode kernel (ops.paged_decode_attention).
 
-One call per layer over --layers separate KV pools (so the K/V come from memory, not cache, as in
-a real step), interleaved rounds, medians. Prints one JSON line.
+Two steps: the classify step (8 sequences x 28 queries behind a 176-token prefix whose blocks
+they share) and decode (--seqs x 1 query at --context). One call per layer over --layers
+separate KV pools (so K/V come from memory, not cache, as in a real step), interleaved rounds,
+medians. Prints one JSON line.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_attention.py [--seqs 8] [--context 101]
 """
@@ -25,60 +29,90 @@ import torch.nn.functional as F  # noqa: E402
 
 from freetoken import ops  # noqa: E402
 
+BS = 16
+
+
+def make_step(num_seqs, num_q, context, shared_prefix, layers, nh, kvh, hd):
+    """-> (pools, block_tables, seq_lens, query_start_loc, q, additive mask [S, 1, Q, L])."""
+    nb = -(-context // BS)
+    own = nb - shared_prefix // BS  # blocks of each sequence's own (shared: the prefix's)
+    pool_blocks = max(shared_prefix // BS + num_seqs * own + 8, 256)
+    perm = torch.randperm(pool_blocks)
+    prefix = perm[: shared_prefix // BS].tolist()
+    rest = perm[len(prefix):].tolist()
+    tables = torch.tensor([prefix + rest[s * own: (s + 1) * own] for s in range(num_seqs)])
+    pools = [(torch.randn(pool_blocks, BS, kvh, hd), torch.randn(pool_blocks, BS, kvh, hd))
+             for _ in range(layers)]
+    lens = torch.full((num_seqs,), context, dtype=torch.long)
+    qsl = torch.arange(num_seqs + 1) * num_q
+    q = torch.randn(num_seqs * num_q, nh, hd)
+    q_pos = torch.arange(context - num_q, context)
+    hidden = torch.arange(context)[None, :] > q_pos[:, None]  # [Q, L]
+    mask = torch.zeros(num_q, context).masked_fill_(hidden, -float("inf"))
+    return pools, tables, lens, qsl, q, mask.expand(num_seqs, 1, num_q, context).contiguous()
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", type=int, default=8)
-    ap.add_argument("--context", type=int, default=101)
+    ap.add_argument("--seqs", type=int, default=8, help="decode sequences")
+    ap.add_argument("--context", type=int, default=101, help="decode context")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=11)
     args = ap.parse_args()
-    if not ops.paged_decode_available(torch.device("cpu")):
-        print("freetoken._C has no paged_decode_attention (not built?)", file=sys.stderr)
+    if not ops.paged_attention_available(torch.device("cpu"), torch.float32):
+        print("freetoken._C has no paged_attention (not built?)", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads)
-    S, nh, kvh, hd, bs = args.seqs, args.heads, args.kv_heads, args.head_dim, 16  # noqa: N806
-    nb = -(-args.context // bs)
-    pool_blocks = max(4 * S * nb, 256)
-    print(f"allocating {args.layers} layer pools of {pool_blocks} blocks ...", file=sys.stderr)
-    pools = [(torch.randn(pool_blocks, bs, kvh, hd), torch.randn(pool_blocks, bs, kvh, hd))
-             for _ in range(args.layers)]
-    table = torch.randperm(pool_blocks)[: S * nb].view(S, nb)
-    lens = torch.full((S,), args.context, dtype=torch.long)
-    q = torch.randn(S, nh, hd)
-    mask = torch.zeros(S, 1, 1, args.context)
+    nh, kvh, hd = args.heads, args.kv_heads, args.head_dim
     scale = hd**-0.5
+    print(f"allocating 2 x {args.layers} layer pools ...", file=sys.stderr)
+    steps = {
+        "classify_8x28": make_step(8, 28, 204, 176, args.layers, nh, kvh, hd),
+        f"decode_{args.seqs}x1": make_step(args.seqs, 1, args.context, 0, args.layers, nh, kvh,
+                                           hd),
+    }
 
-    def kernel():
+    def kernel(pools, tables, lens, qsl, q, mask):
         for k, v in pools:
-            ops.paged_decode_attention(q, k, v, table, lens, scale, None)
+            ops.paged_attention(q, k, v, tables, lens, qsl, scale, None)
 
-    def gather_sdpa():
+    def decode_kernel(pools, tables, lens, qsl, q, mask):
         for k, v in pools:
-            kg = k.index_select(0, table.reshape(-1)).view(S, -1, kvh, hd)[:, : args.context]
-            vg = v.index_select(0, table.reshape(-1)).view(S, -1, kvh, hd)[:, : args.context]
-            F.scaled_dot_product_attention(q.view(S, 1, nh, hd).transpose(1, 2),
-                                           kg.transpose(1, 2), vg.transpose(1, 2),
+            ops.paged_decode_attention(q, k, v, tables, lens, scale, None)
+
+    def gather_sdpa(pools, tables, lens, qsl, q, mask):
+        S, Q, L = mask.shape[0], mask.shape[2], mask.shape[3]  # noqa: N806
+        qg = q.view(S, Q, nh, hd).transpose(1, 2)
+        for k, v in pools:
+            kg = k.index_select(0, tables.reshape(-1)).view(S, -1, kvh, hd)[:, :L]
+            vg = v.index_select(0, tables.reshape(-1)).view(S, -1, kvh, hd)[:, :L]
+            F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
 
-    times = {"kernel": [], "gather_sdpa": []}
-    for fn in (kernel, gather_sdpa):
-        fn()  # warm-up
-    for r in range(args.rounds):
-        for name, fn in (("kernel", kernel), ("gather_sdpa", gather_sdpa)):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) / args.layers * 1e6)
-        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"per layer: kernel {med['kernel']:.0f} us, gather + SDPA {med['gather_sdpa']:.0f} us "
-          f"({med['gather_sdpa'] / med['kernel']:.2f}x)", file=sys.stderr)
-    print(json.dumps({"seqs": S, "context": args.context, "threads": args.threads,
-                      "us_per_layer": med, "loadavg": os.getloadavg()}))
+    methods = {"kernel": kernel, "gather_sdpa": gather_sdpa, "decode_kernel": decode_kernel}
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in steps}
+    for r in range(args.rounds + 1):  # round 0: warm-up
+        for name, step in steps.items():
+            for method, fn in methods.items():
+                if method == "decode_kernel" and step[4].shape[0] != step[1].shape[0]:
+                    continue  # one query token per sequence only
+                t0 = time.perf_counter()
+                fn(*step)
+                if r:
+                    us = (time.perf_counter() - t0) / args.layers * 1e6
+                    times[name].setdefault(method, []).append(us)
+        print(f"round {r}/{args.rounds}", file=sys.stderr)
+    med = {name: {m: statistics.median(v) for m, v in t.items()} for name, t in times.items()}
+    for name, t in med.items():
+        print(f"{name}: us per layer " + ", ".join(f"{m} {v:.0f}" for m, v in t.items())
+              + f" (gather + SDPA / kernel {t['gather_sdpa'] / t['kernel']:.2f}x)",
+              file=sys.stderr)
+    print(json.dumps({"threads": args.threads, "us_per_layer": med,
+                      "loadavg": os.getloadavg()}))
     return 0
 
 

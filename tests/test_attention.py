@@ -1,6 +1,12 @@
 """Paged attention against a dense fp64 reference, on random steps that mix decodes, prompts
-behind a cached context, fresh prompts and chunks of unequal lengths: the padded groups, the
-split when padding would waste too much, the fresh causal path, sliding windows, GQA."""
+behind a cached context, fresh prompts and chunks of unequal lengths: the torch path (padded
+groups, the split when padding would waste too much, the fresh causal path), the decode kernel,
+and the in-place kernel for every sequence (ops.paged_attention, csrc/paged_attention_cpu.cpp) on
+every CPU ISA; sliding windows, GQA, fp32 / bf16 / fp16 pools, long contexts, bad inputs.
+
+Tolerances: fp32 outputs within 1e-5 (absolute, outputs are O(1)) of the fp64 reference computed
+on the same (rounded) inputs; bf16 / fp16 outputs within one rounding of it (2^-8 / 2^-11
+relative, + 1e-5)."""
 
 from __future__ import annotations
 
@@ -80,16 +86,42 @@ STEPS = {
 }
 
 
-IMPLS = ["torch"] + (["ext"] if ops.paged_decode_available(torch.device("cpu")) else [])
+CPU = torch.device("cpu")
+HAS_KERNEL = ops.paged_attention_available(CPU, torch.float32)  # built and chosen
+
+
+def _isas() -> list[str]:
+    if not HAS_KERNEL:
+        return []
+    out = []
+    for name in ("avx512", "avx2", "base"):
+        try:
+            ops._C.set_cpu_isa(name)
+            out.append(name)
+        except RuntimeError:  # not on this CPU
+            pass
+    ops._C.set_cpu_isa("auto")
+    return out
+
+
+ISAS = _isas()
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="ops.paged_attention is not in use")
+IMPLS = (["torch"] + (["ext-decode"] if ops.paged_decode_available(CPU) else [])
+         + [f"ext-{isa}" for isa in ISAS])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("name", list(STEPS))
 def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch):
-    """impl ext: decode groups through csrc/attention_cpu.cpp; torch: gather + SDPA for all."""
+    """ext-<isa>: one ops.paged_attention call for the step; ext-decode: decode groups through
+    csrc/attention_cpu.cpp, the rest torch; torch: gather + SDPA for all."""
+    if not impl.startswith("ext-") or impl == "ext-decode":
+        monkeypatch.setattr(attention.ops, "paged_attention_available", lambda device, dt: False)
     if impl == "torch":
         monkeypatch.setattr(attention.ops, "paged_decode_available", lambda device: False)
+    if impl.startswith("ext-") and impl != "ext-decode":
+        ops._C.set_cpu_isa(impl.removeprefix("ext-"))  # reset below
     rng = random.Random(sum(map(ord, name)) * 7 + (window or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     batch, tables = random_step(rng, STEPS[name])
@@ -98,7 +130,12 @@ def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch
     T = batch.num_tokens  # noqa: N806
     q, k, v = torch.randn(T, NH, HD), torch.randn(T, KVH, HD), torch.randn(T, KVH, HD)
     meta = build_attention_metadata(batch, BLOCK, window)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, HD**-0.5)
+    assert (meta.kernel is not None) == (impl.startswith("ext-") and impl != "ext-decode")
+    try:
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, HD**-0.5)
+    finally:
+        if ISAS:
+            ops._C.set_cpu_isa("auto")
     assert out.shape == (T, NH, HD)
 
     qsl = batch.query_start_loc
@@ -114,7 +151,8 @@ def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch
         torch.testing.assert_close(out[rows].double(), want, atol=1e-5, rtol=0)
 
 
-def test_groups_are_what_the_docstring_says():
+def test_groups_are_what_the_docstring_says(monkeypatch):
+    monkeypatch.setattr(attention.ops, "paged_attention_available", lambda device, dt: False)
     rng = random.Random(7)
     batch, _ = random_step(rng, STEPS["everything, padded together"])
     meta = build_attention_metadata(batch, BLOCK)
@@ -135,7 +173,7 @@ def test_groups_are_what_the_docstring_says():
     assert [g.num_seqs for g in meta.groups] == [1, 1, 1] and meta.fresh == []
 
 
-@pytest.mark.skipif("ext" not in IMPLS, reason="freetoken._C is not built")
+@pytest.mark.skipif("ext-decode" not in IMPLS, reason="freetoken._C is not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_against_the_torch_path(dtype):
     """Longer contexts (up to 300), GQA 4:1, head_dim 80 (not a multiple of 16), bf16 pools."""
@@ -160,7 +198,7 @@ def test_decode_kernel_against_the_torch_path(dtype):
             torch.testing.assert_close(got[s].double(), want, atol=tol, rtol=0)
 
 
-@pytest.mark.skipif("ext" not in IMPLS, reason="freetoken._C is not built")
+@pytest.mark.skipif("ext-decode" not in IMPLS, reason="freetoken._C is not built")
 def test_decode_kernel_refuses_bad_tables():
     q = torch.randn(1, 4, 8)
     cache = torch.randn(4, 4, 2, 8)
@@ -170,3 +208,191 @@ def test_decode_kernel_refuses_bad_tables():
     with pytest.raises(RuntimeError, match="seq_len"):
         ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]),
                                    1.0, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# ops.paged_attention directly: against the fp64 reference and the torch path
+
+
+def kernel_reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, window):
+    """Dense fp64 attention of every sequence's query rows over its context -> [T, nh, hd]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    _, bs, kvh, hd = k_cache.shape
+    for s in range(len(seq_lens)):
+        n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
+        if a == b:
+            continue
+        slots = [int(block_tables[s, p // bs]) * bs + p % bs for p in range(n)]
+        k_ctx = k_cache.reshape(-1, kvh, hd)[slots]
+        v_ctx = v_cache.reshape(-1, kvh, hd)[slots]
+        qs = q[a:b].double() * (scale / hd**-0.5)  # reference() scales by hd**-0.5
+        out[a:b] = reference(qs, k_ctx, v_ctx, list(range(n - (b - a), n)), window)
+    return out
+
+
+def make_step(shapes, nh, kvh, hd, dtype, q_dtype=None, block=16, seed=0):
+    """shapes: (num_cached, num_new) per sequence -> q and the kernel's tensors over a pool with
+    shuffled blocks (non-contiguous tables) and a few spare blocks."""
+    g = torch.Generator().manual_seed(seed)
+    tables = [-(-(c + n) // block) for c, n in shapes]
+    nb = sum(tables) + 5
+    perm = torch.randperm(nb, generator=g)
+    width = max(tables)
+    block_tables = torch.zeros(len(shapes), width, dtype=torch.long)
+    used = 0
+    for s, count in enumerate(tables):
+        block_tables[s, :count] = perm[used : used + count]
+        used += count
+    k_cache = torch.randn(nb, block, kvh, hd, generator=g).to(dtype)
+    v_cache = torch.randn(nb, block, kvh, hd, generator=g).to(dtype)
+    qsl = torch.tensor([0] + [n for _, n in shapes]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), nh, hd, generator=g).to(q_dtype or dtype)
+    seq_lens = torch.tensor([c + n for c, n in shapes])
+    return q, k_cache, v_cache, block_tables, seq_lens, qsl
+
+
+def assert_close_to_reference(got, want, dtype):
+    """fp32: 1e-5 absolute; bf16 / fp16 output: one rounding (half an ulp) + 1e-5."""
+    assert got.dtype == dtype
+    err = (got.double() - want).abs()
+    half_ulp = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    bound = 1e-5 + half_ulp * want.abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+MIXED = [(176, 28), (0, 40), (99, 1), (0, 1), (300, 5), (3, 3), (16, 0), (17, 130), (15, 17)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("nh,kvh,hd", [(9, 3, 64), (8, 8, 128), (8, 2, 72), (6, 2, 8),
+                                       (12, 1, 16)])
+@pytest.mark.parametrize("window", [None, 1, 37])
+def test_kernel_matches_fp64(isa, nh, kvh, hd, window):
+    """Sequences with 28 queries behind a cached prefix, fresh prompts (n_q == seq_len), decodes,
+    a single-token prompt, no queries at all, chunks crossing block boundaries and partial last
+    blocks; GQA 3, 1, 4, 6, 12; head_dim 64, 128 and three that are not a multiple of the
+    vector width."""
+    args = make_step(MIXED, nh, kvh, hd, torch.float32, seed=nh * hd)
+    ops._C.set_cpu_isa(isa)
+    try:
+        got = ops.paged_attention(*args, 0.3, window)
+    finally:
+        ops._C.set_cpu_isa("auto")
+    assert_close_to_reference(got, kernel_reference(*args, 0.3, window), torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,q_dtype", [(torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32),
+                                           (torch.float16, torch.float16)])
+def test_kernel_half_precision_pools(isa, dtype, q_dtype):
+    """bf16 / fp16 pools are widened exactly: with fp32 queries the result is the fp32 one on
+    the pool's values (1e-5); with bf16 / fp16 queries it is that, rounded once."""
+    args = make_step(MIXED, 9, 3, 64, dtype, q_dtype=q_dtype, seed=5)
+    ops._C.set_cpu_isa(isa)
+    try:
+        got = ops.paged_attention(*args, 0.125, 50)
+    finally:
+        ops._C.set_cpu_isa("auto")
+    assert_close_to_reference(got, kernel_reference(*args, 0.125, 50), q_dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_long_context(isa):
+    """3000 keys (12 key tiles: the online softmax's rescaling) under 200 queries (several
+    column tiles), with and without a window that spans tiles; a decode at 3000."""
+    args = make_step([(2800, 200), (2999, 1)], 8, 2, 64, torch.float32, seed=11)
+    ops._C.set_cpu_isa(isa)
+    try:
+        for window in (None, 700):
+            got = ops.paged_attention(*args, 0.125, window)
+            assert_close_to_reference(got, kernel_reference(*args, 0.125, window), torch.float32)
+    finally:
+        ops._C.set_cpu_isa("auto")
+
+
+@needs_kernel
+def test_kernel_agrees_with_the_torch_path_on_the_classify_step(monkeypatch):
+    """SmolLM2's shapes: 8 x 28 queries behind one shared 176-token prefix (the same blocks),
+    through build_attention_metadata / paged_attention with and without the kernel."""
+    torch.manual_seed(3)
+    block, nh, kvh, hd = 16, 9, 3, 64
+    prefix = list(range(11))
+    tables = [prefix + [11 + 2 * s, 12 + 2 * s] for s in range(8)]
+    slots = [t[p // block] * block + p % block for t in tables for p in range(176, 204)]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(224, dtype=torch.long),
+        positions=torch.tensor([p for _ in tables for p in range(176, 204)]),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=[28 * s for s in range(9)],
+        seq_lens=[204] * 8,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=torch.tensor([223]),
+    )
+    k_cache, v_cache = torch.randn(32, block, kvh, hd), torch.randn(32, block, kvh, hd)
+    q, k, v = torch.randn(224, nh, hd), torch.randn(224, kvh, hd), torch.randn(224, kvh, hd)
+    outs = []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(attention.ops, "paged_attention_available", lambda d, t: False)
+        meta = build_attention_metadata(batch, block)
+        assert (meta.kernel is not None) == use_kernel
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, hd**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_kernel_threads_and_q_views():
+    """Two threads give bitwise the one-thread result (whole tasks per thread); q may be a view
+    into a fused qkv output (row stride > nh * hd)."""
+    q, *rest = make_step([(176, 28)] * 8 + [(2000, 64)], 9, 3, 64, torch.float32, seed=2)
+    qkv = torch.randn(q.shape[0], 15 * 64)
+    qkv[:, : 9 * 64] = q.reshape(q.shape[0], -1)
+    view = qkv[:, : 9 * 64].view(q.shape)
+    assert not view.is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.paged_attention(q, *rest, 0.125, None)
+        torch.set_num_threads(2)
+        two = ops.paged_attention(view, *rest, 0.125, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_inputs():
+    q, k_cache, v_cache, tables, lens, qsl = make_step([(5, 3), (0, 2)], 4, 2, 8, torch.float32)
+
+    def call(**kw):
+        a = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=lens,
+                 query_start_loc=qsl, scale=1.0, window=None)
+        a.update(kw)
+        return ops.paged_attention(**a)
+
+    bad_table = tables.clone()
+    bad_table[1, 0] = k_cache.shape[0]
+    cases = [
+        (dict(block_tables=bad_table), "sequence 1 block 0 is .* outside the pool"),
+        (dict(seq_lens=torch.tensor([8, 1])), "sequence 1 has seq_len 1 < its 2 query tokens"),
+        (dict(seq_lens=torch.tensor([33, 2])), "sequence 0 has seq_len 33 for 1 blocks of 16"),
+        (dict(query_start_loc=torch.tensor([0, 3, 4])), "query_start_loc must run from 0 to T"),
+        (dict(query_start_loc=torch.tensor([0, 4, 3, 5])), r"query_start_loc must be .*\[S \+ 1\]"),
+        (dict(block_tables=tables.int()), "block_tables must be contiguous int64"),
+        (dict(v_cache=v_cache.bfloat16()), "of one dtype"),
+        (dict(q=q.double()), "fp32, bf16 or fp16"),
+        (dict(q=q[:, :3]), "num_heads .* must be a multiple of num_kv_heads"),
+        (dict(q=q[..., :4]), "q has head_dim 4, the caches 8"),
+        (dict(k_cache=k_cache.transpose(0, 1)), "one shape|must be contiguous"),
+        (dict(window=-1), "window must be >= 0"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(**kw)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        call(k_cache=torch.randn(k_cache.shape[::-1]).permute(3, 2, 1, 0),
+             v_cache=torch.randn(v_cache.shape[::-1]).permute(3, 2, 1, 0))

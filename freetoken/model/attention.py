@@ -1,14 +1,17 @@
 """Paged attention over the KV pool: write K/V by slot_mapping, read each sequence's context by its
 block_table, attend.
 
-On the CPU with freetoken._C, the decode group (one query token per sequence) reads K/V in place
-(ops.paged_decode_attention, csrc/attention_cpu.cpp). Everything else, and the fallback for it,
-is torch: the context is gathered from the pool block by block into a dense tensor, then SDPA.
-Sequences are attended in padded groups, one call per group and layer: every decode sequence (one
-query token) in one group; the sequences with several query tokens (prefill, chunked prefill, a
-prompt behind a cached prefix) in another, unless padding them to the longest would more than
-double the work, in which case each goes alone. A prompt alone with no cached context is causal
-over its fresh K/V, with no gather.
+On the CPU with freetoken._C (fp32 / bf16 / fp16), every sequence of the step, decode or
+multi-token, goes through one call per layer (ops.paged_attention, csrc/paged_attention_cpu.cpp):
+K/V read in place from the pool, causal, GQA, sliding window; its inputs are built once per
+forward (KernelArgs). Everything else, and the reference for that kernel in tests, is torch: the
+context is gathered from the pool block by block into a dense tensor, then SDPA, in padded
+groups, one call per group and layer: every decode sequence (one query token) in one group (on
+the CPU extension without paged_attention, e.g. a stale build: ops.paged_decode_attention, which
+reads in place too); the sequences with several query tokens (prefill, chunked prefill, a prompt
+behind a cached prefix) in another, unless padding them to the longest would more than double the
+work, in which case each goes alone. A prompt alone with no cached context is causal over its
+fresh K/V, with no gather.
 Not here: block allocation, prefix hashing (kv_cache.py), any policy.
 """
 
@@ -55,13 +58,25 @@ class FreshPrefill:
 
 
 @dataclass(slots=True)
+class KernelArgs:
+    """ops.paged_attention's inputs besides q and the pools: every sequence of the step."""
+
+    block_tables: torch.Tensor  # [S, nb] int64, contiguous
+    seq_lens: torch.Tensor  # [S] int64
+    query_start_loc: torch.Tensor  # [S+1] int64
+    window: int | None  # the sliding window, None = none
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs, built once per forward from the ForwardBatch (same for every
-    layer). Plain data; passed down explicitly, never stored on a module."""
+    layer). Plain data; passed down explicitly, never stored on a module. With `kernel` set, the
+    torch plan (groups, fresh) is left empty: one ops.paged_attention call serves the step."""
 
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[AttentionGroup]
     fresh: list[FreshPrefill]
+    kernel: KernelArgs | None = None
 
 
 def _make_group(
@@ -125,6 +140,15 @@ def build_attention_metadata(
         if num_q > seq_len:
             raise ValueError(f"sequence {s} has {num_q} query tokens but seq_len {seq_len}")
         (decodes if num_q == 1 else multi).append(s)
+    if ops.paged_attention_available(batch.slot_mapping.device, dtype):
+        long = dict(dtype=torch.long, device=batch.slot_mapping.device)
+        kernel = KernelArgs(
+            block_tables=block_tables.to(torch.long).contiguous(),
+            seq_lens=torch.tensor(batch.seq_lens, **long),
+            query_start_loc=torch.tensor(qsl, **long),
+            window=sliding_window,
+        )
+        return AttentionMetadata(batch.slot_mapping, [], [], kernel)
 
     def make(members):
         return _make_group(members, batch, block_tables, block_size, sliding_window, dtype)
@@ -178,6 +202,11 @@ def paged_attention(
         # NOTE: index_copy_ over flat slots, not advanced indexing: ~3x faster on CPU.
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+    if meta.kernel is not None:
+        # every sequence, K/V read in place (csrc/paged_attention_cpu.cpp); all threads
+        kn = meta.kernel
+        return ops.paged_attention(q, k_cache, v_cache, kn.block_tables, kn.seq_lens,
+                                   kn.query_start_loc, scale, kn.window)  # [T, nh, hd]
 
     everything = slice(0, num_tokens)
     outputs = []  # (rows of T: a slice or an index tensor, [rows, nh, hd])
