@@ -45,30 +45,21 @@
 #include <thread>
 #include <type_traits>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "cpu_target.h"
 #include "ops_torch.h"
+#include "panel_common.h"
 #include "task_pool.h"
 
 namespace freetoken {
 namespace {
 
 
-constexpr int kNR = 16;                     // panel width in floats: one 64-byte line per k
-constexpr int32_t kMagic = 0x4C505446;      // "FTPL"
-constexpr int32_t kVersion = 1;
-constexpr int64_t kHeaderBytes = 64;        // so panels stay 64-byte aligned
-constexpr int32_t kDtypeF32 = 0, kDtypeBF16 = 1;  // header word 6: the weights' dtype
-constexpr int kChains = 8;                  // independent FMA chains wanted per micro-kernel
-constexpr int64_t kBlockBytes = 256 << 10;  // panels walked per row chunk when M > MR_max
-constexpr double kTaskBytes = 512 << 10;   // the least weight bytes per pool task
+using panel::in_register;
+using panel::kNR;
+using panel::loadu;
+using panel::Vec;
 
-// NOTE: waking a helper thread costs ~10-40 us here (and more when the other core is busy); a
-// call whose estimated time on one thread is below this runs on the caller alone.
-constexpr double kInlineNs = 150e3;
+constexpr int64_t kBlockBytes = 256 << 10;  // panels walked per row chunk when M > MR_max
 // Software prefetch (prefetcht1, this far ahead in the weight stream) only for chunks of at
 // least kPrefetchMinRows rows: measured cold at 3072 x 576, one thread, 2 MB pages, it took M = 8
 // from 16 to 23 GB/s and M = 16 from 8.5 to 11 GB/s, but cost M = 1..4 ~10% (the hardware
@@ -84,18 +75,6 @@ struct Args {
   float* y;           // [M, N], row stride N
   int64_t M, N, K;
 };
-
-template <int L>
-struct Vec {
-  typedef float type __attribute__((vector_size(4 * L)));
-};
-
-template <int L>
-FT_INLINE typename Vec<L>::type loadu(const float* p) {
-  typename Vec<L>::type v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // One panel row's L weights as fp32: a load, and for bf16 the exact widening (bits << 16).
 template <int L>
@@ -118,22 +97,12 @@ FT_INLINE typename Vec<L>::type load_w(const uint16_t* p) {
   return v;
 }
 
-// NOTE: without this GCC folds the panel load into every FMA that uses it (MR loads of the same
-// line instead of one); that halved the L2-hot rate at M = 2 (38 -> 65 GB/s here).
-template <typename T>
-FT_INLINE T in_register(T v) {
-#if defined(__GNUC__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
-
 // Rows [r0, r0 + MR) of y, panels [p0, p1): the micro-kernel, L = floats per vector.
 template <int L, int MR, bool PF, typename WT>
 FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
   using vf = typename Vec<L>::type;
   constexpr int V = kNR / L;  // vectors per panel row
-  constexpr int KU = (kChains + MR * V - 1) / (MR * V);  // k unroll: >= kChains chains
+  constexpr int KU = panel::partial_sums(MR * V);  // k unroll
   const int64_t K = a.K;
   const float* x = a.x + r0 * K;
   for (int64_t p = p0; p < p1; ++p) {
@@ -253,73 +222,56 @@ Kernel<WT> pick_kernel() {
   return {&run_base<WT>, 2};
 }
 
-FT_INLINE float to_float(float v) { return v; }
-FT_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+}  // namespace
 
-// x [M, K] -> the chunks run() walks, each [K, mr] at offset r0 * K (a copy of M * K floats).
-template <typename XT>
-void transpose_chunks(const XT* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
-  const int64_t chunks = (M + mr_max - 1) / mr_max;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
-    float* o = out + r0 * K;
-    for (int64_t m = 0; m < mr; ++m) {
-      const XT* row = x + (r0 + m) * K;
-      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = to_float(row[k]);
-    }
+namespace panel {
+
+int64_t panel_bytes(Format format, int64_t K) {
+  switch (format) {
+    case kF32: return K * kNR * 4;
+    case kBF16: return K * kNR * 2;
+    case kQ4_1: return K / 32 * kQ4_1BlockBytes;
+    case kQ8_0: return K / 32 * kQ8_0BlockBytes;
   }
+  return -1;
 }
 
-struct Header {
-  int64_t N, K, P;
-  at::ScalarType dtype;  // of the weights: kFloat or kBFloat16
-  int64_t offset;        // elements before the first panel (the header)
-};
-
-int64_t header_elements(at::ScalarType dtype) {
-  return kHeaderBytes / static_cast<int64_t>(c10::elementSize(dtype));
+void write_header(const at::Tensor& out, int64_t N, int64_t K, Format format) {
+  const int32_t h[kHeaderBytes / 4] = {kMagic, kVersion, static_cast<int32_t>(N),
+                                       static_cast<int32_t>(K), kNR,
+                                       static_cast<int32_t>((N + kNR - 1) / kNR), format};
+  std::memcpy(out.data_ptr(), h, sizeof h);
 }
 
-Header read_header(const at::Tensor& packed) {
-  TORCH_CHECK(packed.device().is_cpu() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
-                  packed.dim() == 1 && packed.is_contiguous(),
-              "panel_linear: packed must be the 1-D fp32 or bf16 CPU tensor from pack_panels");
-  const int64_t off = header_elements(packed.scalar_type());
-  TORCH_CHECK(packed.numel() >= off, "panel_linear: packed is too short for a header");
+Header read_header(const at::Tensor& packed, const char* op) {
+  const at::ScalarType t = packed.scalar_type();
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() &&
+                  (t == at::kFloat || t == at::kBFloat16 || t == at::kByte),
+              op, ": packed must be the 1-D CPU tensor from pack_panels or pack_gguf_panels");
+  const int64_t off = kHeaderBytes / static_cast<int64_t>(c10::elementSize(t));
+  TORCH_CHECK(packed.numel() >= off, op, ": packed is too short for a header");
   int32_t h[kHeaderBytes / 4];
   std::memcpy(h, packed.data_ptr(), sizeof h);
   TORCH_CHECK(h[0] == kMagic && h[1] == kVersion && h[4] == kNR,
-              "panel_linear: packed has no panel header (not made by pack_panels, or another "
-              "version)");
-  const at::ScalarType dtype = h[6] == kDtypeBF16 ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK((h[6] == kDtypeF32 || h[6] == kDtypeBF16) && dtype == packed.scalar_type(),
-              "panel_linear: packed's header names another dtype than the tensor's");
-  const Header hd{h[2], h[3], h[5], dtype, off};
-  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && hd.P == (hd.N + kNR - 1) / kNR &&
-                  packed.numel() == off + hd.P * hd.K * kNR,
-              "panel_linear: packed's header does not match its size");
+              op, ": packed has no panel header (not made by pack_panels or pack_gguf_panels, "
+              "or another version)");
+  const auto format = static_cast<Format>(h[6]);
+  const at::ScalarType want = format == kF32 ? at::kFloat
+                              : format == kBF16 ? at::kBFloat16
+                              : at::kByte;
+  TORCH_CHECK(format >= kF32 && format <= kQ8_0 && want == t,
+              op, ": packed's header names another format than its tensor's dtype");
+  const Header hd{h[2], h[3], h[5], format, off};
+  const bool blocks = format == kQ4_1 || format == kQ8_0;
+  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && (!blocks || hd.K % 32 == 0) &&
+                  hd.P == (hd.N + kNR - 1) / kNR &&
+                  packed.numel() * packed.element_size() ==
+                      kHeaderBytes + hd.P * panel_bytes(format, hd.K),
+              op, ": packed's header does not match its size");
   return hd;
 }
 
-
-// NOTE: a decode step streams every weight from DRAM; with 4 KB pages that is a TLB miss per 64
-// lines, and cold reads here ran ~20% faster from 2 MB pages (what THP_MEM_ALLOC_ENABLE=1 does
-// for every torch allocation). Asked for before the first touch, the packing writes fault huge
-// pages in; a no-op where THP is off or the range is smaller than one huge page.
-void advise_huge_pages(void* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
-}  // namespace
+}  // namespace panel
 
 template <typename T>
 void fill_panels(const T* src, int64_t N, int64_t K, int64_t P, T* dst) {
@@ -347,13 +299,11 @@ at::Tensor panel_pack_cpu(const at::Tensor& weight) {
               "pack_panels: need 1 <= N, K < 2^31, got [", N, ", ", K, "]");
   const at::Tensor w = weight.contiguous();
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  const int64_t P = (N + kNR - 1) / kNR, off = header_elements(weight.scalar_type());
+  const int64_t P = (N + kNR - 1) / kNR;
+  const int64_t off = panel::kHeaderBytes / static_cast<int64_t>(weight.element_size());
   at::Tensor out = at::empty({off + P * K * kNR}, weight.options());
-  advise_huge_pages(out.data_ptr(), out.numel() * out.element_size());
-  const int32_t h[kHeaderBytes / 4] = {kMagic, kVersion, static_cast<int32_t>(N),
-                                       static_cast<int32_t>(K), kNR, static_cast<int32_t>(P),
-                                       bf16 ? kDtypeBF16 : kDtypeF32};
-  std::memcpy(out.data_ptr(), h, sizeof h);
+  panel::advise_huge_pages(out.data_ptr(), out.numel() * out.element_size());
+  panel::write_header(out, N, K, bf16 ? panel::kBF16 : panel::kF32);
   if (bf16) {
     fill_panels(w.data_ptr<at::BFloat16>(), N, K, P, out.data_ptr<at::BFloat16>() + off);
   } else {
@@ -363,14 +313,14 @@ at::Tensor panel_pack_cpu(const at::Tensor& weight) {
 }
 
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed) {
-  const Header h = read_header(packed);
+  const panel::Header h = panel::read_header(packed, "panel_shape");
   return {h.N, h.K};
 }
 
 namespace {
 
 template <typename WT, typename XT>
-void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const panel::Header& h,
                        const float* b, at::Tensor& y) {
   const int64_t M = x.size(0);
   const Kernel<WT> kern = pick_kernel<WT>();
@@ -378,7 +328,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Head
   const float* xp = nullptr;
   if (M > 1 || !std::is_same_v<XT, float>) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
-    transpose_chunks(x.data_ptr<XT>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
+    panel::transpose_chunks(x.data_ptr<XT>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
     xp = xt.data_ptr<float>();
   } else {
     xp = reinterpret_cast<const float*>(x.data_ptr<XT>());
@@ -388,10 +338,10 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Head
   // One thread's time, roughly: the weight bytes at ~20 GB/s or the flops at ~80 GFLOP/s.
   const double w_bytes = static_cast<double>(h.P) * h.K * kNR * sizeof(WT);
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
-  const int nthreads = est_ns < kInlineNs ? 1 : at::get_num_threads();
+  const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
   // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming).
   const int64_t ntasks = nthreads == 1 ? 1 : std::clamp<int64_t>(
-      static_cast<int64_t>(w_bytes / kTaskBytes), nthreads, 4 * nthreads);
+      static_cast<int64_t>(w_bytes / panel::kTaskBytes), nthreads, 4 * nthreads);
   const int64_t n = std::min(ntasks, h.P);
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
     kern.run(a, h.P * t / n, h.P * (t + 1) / n);
@@ -402,29 +352,38 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const Head
 
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
-  const Header h = read_header(packed);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == h.dtype && x.dim() == 2,
+  const panel::Header h = panel::read_header(packed, "panel_linear");
+  // GGUF blocks hold fp32 values: x, bias and y are fp32.
+  const at::ScalarType dtype = h.format == panel::kBF16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.dim() == 2,
               "panel_linear: x must be a 2-D CPU tensor [M, K] of the weight's dtype (",
-              h.dtype, "), got ", x.dim(), "-D ", x.scalar_type());
+              dtype, "), got ", x.dim(), "-D ", x.scalar_type());
   TORCH_CHECK(x.is_contiguous(), "panel_linear: x must be contiguous");
   TORCH_CHECK(x.size(1) == h.K, "panel_linear: x has K = ", x.size(1), ", the weight has K = ",
               h.K);
   at::Tensor b32;
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == h.dtype &&
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype &&
                     bias->dim() == 1 && bias->size(0) == h.N && bias->is_contiguous(),
                 "panel_linear: bias must be a contiguous CPU tensor [", h.N, "] of the weight's "
-                "dtype (", h.dtype, ")");
+                "dtype (", dtype, ")");
     b32 = bias->to(at::kFloat);
     b = b32.data_ptr<float>();
   }
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, h.N}, x.options().dtype(at::kFloat));
-  if (M == 0) return y.to(h.dtype);
-  if (h.dtype == at::kBFloat16) {
-    panel_linear_impl<uint16_t, at::BFloat16>(x, packed, h, b, y);
-    return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
+  if (M == 0) return y.to(dtype);
+  switch (h.format) {
+    case panel::kBF16:
+      panel_linear_impl<uint16_t, at::BFloat16>(x, packed, h, b, y);
+      return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
+    case panel::kQ4_1:
+    case panel::kQ8_0:
+      panel::gguf_panel_linear(x, packed, h, b, y);
+      return y;
+    case panel::kF32:
+      break;
   }
   panel_linear_impl<float, float>(x, packed, h, b, y);
   return y;

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 namespace freetoken {
@@ -12,6 +13,11 @@ namespace freetoken {
 // words: magic, version, N, K, NR, number of panels, dtype 0 fp32 / 1 bf16) then ceil(N / NR)
 // panels [K, NR], columns >= N zero.
 at::Tensor panel_pack_cpu(const at::Tensor& weight);
+
+// GGUF rows [N, K / 32 * block bytes] (uint8) of type "Q4_1" or "Q8_0" -> the packed form: a
+// 1-D uint8 tensor, the same header (dtype 2 Q4_1 / 3 Q8_0) then the blocks regrouped per panel
+// (csrc/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it.
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K);
 
 // {N, K} of a packed tensor (checks its header).
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed);

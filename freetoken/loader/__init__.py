@@ -92,7 +92,7 @@ def load_model(
         raise FileNotFoundError(f"model path {path} does not exist")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if is_gguf:
-        from freetoken.loader.gguf import open_gguf, read_config, read_weights
+        from freetoken.loader.gguf import open_gguf, read_blocks, read_config, read_weights
 
         reader = open_gguf(path)
         config = read_config(reader)
@@ -101,12 +101,16 @@ def load_model(
         # before dequantising so it does not add to the peak.
         reader.fields.clear()
         weights = read_weights(reader, config, progress=progress)
+        # fp32 on the CPU keeps the Q4_1 / Q8_0 blocks too, for steps of few rows (exact).
+        blocks = read_blocks(reader, config) if dtype == torch.float32 \
+            and torch.device(device).type == "cpu" else None
         del reader
         files = [path]
     elif path.is_dir():
         from freetoken.loader.safetensors import load_safetensors, weight_files
 
         config, weights = load_safetensors(path, progress=progress)
+        blocks = None
         tokenizer = _load_tokenizer(path, is_gguf) if load_tokenizer else None
         files = weight_files(path)
     else:
@@ -114,8 +118,8 @@ def load_model(
             f"model path {path} is neither a .gguf file nor a directory with "
             f"config.json and *.safetensors"
         )
-    model = build_model(config, weights, dtype=dtype, device=device)
-    del weights
+    model = build_model(config, weights, dtype=dtype, device=device, blocks=blocks)
+    del weights, blocks
     num_params = sum(p.numel() for p in model.parameters())
     elapsed_s = time.perf_counter() - start
     logger.info(

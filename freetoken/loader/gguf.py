@@ -1,8 +1,10 @@
 """GGUF file -> (ModelConfig, HF-named fp32 weights), through the `gguf` reader package.
 
 Every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32; the model casts to its dtype. Not here: the
-tokenizer (freetoken/tokenizer.py reads the same file's vocabulary).
+Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32; the model casts to its dtype. read_blocks also
+hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model on the CPU keeps
+packed for steps of few rows (freetoken/model/linear.py: dequantised in registers to the same
+fp32 values). Not here: the tokenizer (freetoken/tokenizer.py reads the same file's vocabulary).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from freetoken.model.config import ModelConfig
+from freetoken.model.linear import GGUF_BLOCK_TYPES, GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -209,3 +212,23 @@ def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str
     if progress:
         print(file=sys.stderr, flush=True)
     return weights
+
+
+def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
+    """The 2-D weights stored as GGUF_BLOCK_TYPES, as raw blocks keyed by HF names: rows [out,
+    row bytes] uint8, q/k rows un-permuted as read_weights does (a row's blocks move with it)."""
+    permute = config.arch in ("llama", "mistral")
+    blocks: dict[str, GGUFBlocks] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type.name not in GGUF_BLOCK_TYPES or len(t.shape) != 2:
+            continue
+        in_features, out_features = (int(n) for n in t.shape)  # gguf shapes are [ne0, ne1]
+        rows = np.asarray(t.data).reshape(out_features, -1)
+        if permute and t.name.endswith("attn_q.weight"):
+            rows = reverse_permute(rows, config.num_heads)
+        elif permute and t.name.endswith("attn_k.weight"):
+            rows = reverse_permute(rows, config.num_kv_heads)
+        blocks[name] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(rows)),
+                                  in_features)
+    return blocks

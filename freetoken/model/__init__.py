@@ -7,7 +7,7 @@ import logging
 import torch
 
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import FEW_ROWS
+from freetoken.model.linear import FEW_ROWS, GGUFBlocks, few_rows_form
 from freetoken.model.llama import LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
@@ -20,20 +20,26 @@ def build_model(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    blocks: dict[str, GGUFBlocks] | None = None,
 ) -> LlamaForCausalLM:
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
     Built on the meta device (no random init), then each parameter is replaced by its HF-named
     tensor from `weights` (consumed), on `device` in `dtype`. On CPU the projections are then
-    packed (panels for fp32; oneDNN, plus panels for few rows, for bf16: model/linear.py).
+    packed (panels for fp32; oneDNN for bf16), with a second form for steps of few rows: the
+    GGUF blocks in `blocks` (consumed) for fp32, panels for bf16 (model/linear.py).
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_weights(weights, dtype=dtype, device=device)
-    form = model.pack_linears()
-    few = model.layers[0].mlp.gate_up_proj.few_rows is not None if model.layers else False
+    form = model.pack_linears(blocks)
+    few = {few_rows_form(m.few_rows) for m, _ in model.projections()} - {None}
+    if model.lm_head_few_rows is not None:
+        few.add(few_rows_form(model.lm_head_few_rows))
     logger.info("linear layers: %s%s", {
         "panels": "freetoken._C panels, pre-packed weights (small-M streaming GEMM)",
         "onednn": "oneDNN, pre-packed weights"}.get(form, "torch F.linear"),
-        f"; freetoken._C panels for steps of <= {FEW_ROWS} rows" if few else "")
+        f"; for steps of <= {FEW_ROWS} rows freetoken._C panels of {'/'.join(sorted(few))}"
+        + (" (GGUF blocks dequantized exactly in registers)" if few - {"bf16 panels"} else "")
+        if few else "")
     return model.eval()

@@ -21,6 +21,7 @@ from freetoken.batch import ForwardBatch, KVCache
 from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import (
+    GGUFBlocks,
     Linear,
     linear,
     pack_few_rows,
@@ -241,22 +242,34 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight
         return linear(hidden.to(weight.dtype), weight, None, self.lm_head_few_rows).float()
 
-    def pack_linears(self) -> str:
-        """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py).
-        A tied lm_head gets its own packed copy (the embedding lookup needs the plain rows):
-        vocab x hidden more memory. Returns the form: "panels", "onednn", or "plain" (nothing
-        changed: packing is not available)."""
+    def projections(self):
+        """(module, the HF weight names fused into its weight) of every projection."""
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            yield layer.self_attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            yield layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"]
+            yield layer.mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
+            yield layer.mlp.down_proj, [p + "mlp.down_proj.weight"]
+
+    def pack_linears(self, blocks: dict[str, GGUFBlocks] | None = None) -> str:
+        """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py),
+        with the GGUF blocks of their weights (`blocks`, HF names; consumed) as the form for few
+        rows where those serve. A tied lm_head gets its own packed copy (the embedding lookup
+        needs the plain rows): vocab x hidden more memory. Returns the form: "panels", "onednn",
+        or "plain" (nothing changed: packing is not available)."""
+        blocks = blocks if blocks is not None else {}
         if not packing_available(self.embed_tokens.weight):
             return "plain"
-        for layer in self.layers:
-            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                module.pack()
+        for module, names in self.projections():
+            module.pack(GGUFBlocks.fuse([blocks.pop(n, None) for n in names]))
         if self.lm_head is not None:
-            self.lm_head.pack()
+            self.lm_head.pack(blocks.pop("lm_head.weight", None))
         else:
-            self.lm_head_packed = pack_weight(self.embed_tokens.weight)
-            self.lm_head_few_rows = pack_few_rows(self.embed_tokens.weight)
+            weight = self.embed_tokens.weight
+            self.lm_head_packed = pack_weight(weight)
+            self.lm_head_few_rows = pack_few_rows(weight,
+                                                  blocks.pop("model.embed_tokens.weight", None))
+        blocks.clear()
         return packed_form(self.layers[0].self_attn.qkv_proj.weight)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
@@ -310,20 +323,18 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             put(layer.input_layernorm, "weight", [p + "input_layernorm.weight"])
             put(layer.post_attention_layernorm, "weight", [p + "post_attention_layernorm.weight"])
-            put(attn.qkv_proj, "weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj, "bias", [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-            put(attn.o_proj, "weight", [p + "self_attn.o_proj.weight"])
             if attn.o_proj.bias is not None:
                 put(attn.o_proj, "bias", [p + "self_attn.o_proj.bias"])
             if attn.q_norm is not None:
                 put(attn.q_norm, "weight", [p + "self_attn.q_norm.weight"])
                 put(attn.k_norm, "weight", [p + "self_attn.k_norm.weight"])
-            put(mlp.gate_up_proj, "weight", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
-            put(mlp.down_proj, "weight", [p + "mlp.down_proj.weight"])
             if mlp.down_proj.bias is not None:
                 put(mlp.gate_up_proj, "bias", [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")])
                 put(mlp.down_proj, "bias", [p + "mlp.down_proj.bias"])
+        for module, names in self.projections():
+            put(module, "weight", names)
         leftover = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(

@@ -1,0 +1,122 @@
+// What the two panel linears share (csrc/linear_cpu.cpp: fp32 / bf16 weights;
+// csrc/quant_linear_cpu.cpp: GGUF Q4_1 / Q8_0 blocks): the packed tensor's header, the vector
+// types of their micro-kernels, x's transposed row chunks, the huge-page advice.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "cpu_target.h"
+
+namespace freetoken {
+namespace panel {
+
+constexpr int kNR = 16;                 // panel width in weights: 16 output columns
+constexpr int32_t kMagic = 0x4C505446;  // "FTPL"
+constexpr int32_t kVersion = 1;
+constexpr int64_t kHeaderBytes = 64;    // so panels stay 64-byte aligned
+// Header word 6: what the panels hold. fp32 / bf16 in a tensor of that dtype; GGUF blocks in a
+// uint8 tensor.
+enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
+// GGUF blocks of 32 k, regrouped per panel (csrc/quant_linear_cpu.cpp): Q4_1 as d[16], m[16]
+// (fp32) then the nibbles in 4 x 16 uint32 words; Q8_0 as d[16] then the int8s in 8 x 16 words.
+constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
+constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
+constexpr int kChains = 8;                 // independent FMA chains wanted per micro-kernel
+// The k unroll of a micro-kernel with `accumulators` vectors: interleaved partial sums, enough
+// for kChains FMA chains, a power of two so it divides a GGUF block's 32 k: both panel kernels
+// then sum each output in the same order, and the GGUF blocks give the fp32 panels' results bit
+// for bit (up to 8 rows on AVX-512).
+constexpr int partial_sums(int accumulators) {
+  int ku = 1;
+  while (ku * accumulators < kChains) ku *= 2;
+  return ku;
+}
+constexpr double kTaskBytes = 512 << 10;  // the least weight bytes per pool task
+// NOTE: waking a helper thread costs ~10-40 us here (and more when the other core is busy); a
+// call whose estimated time on one thread is below this runs on the caller alone.
+constexpr double kInlineNs = 150e3;
+
+struct Header {
+  int64_t N, K, P;  // P = ceil(N / kNR) panels
+  Format format;
+  int64_t offset;  // elements of the tensor before the first panel (the header)
+};
+
+// The packed tensor's header, checked against its dtype and size; `op` names the caller in
+// errors. Defined in linear_cpu.cpp.
+Header read_header(const at::Tensor& packed, const char* op);
+// Writes the header into the first kHeaderBytes of `out`.
+void write_header(const at::Tensor& out, int64_t N, int64_t K, Format format);
+// Bytes of one panel of K rows in `format`.
+int64_t panel_bytes(Format format, int64_t K);
+
+// y [M, N] (fp32, allocated) = x [M, K] fp32 @ W^T (+ bias) over GGUF-block panels (h.format
+// kQ4_1 / kQ8_0). Defined in quant_linear_cpu.cpp; panel_linear_cpu dispatches to it.
+void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+                       const float* bias, at::Tensor& y);
+
+template <int L>
+struct Vec {
+  typedef float type __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+FT_INLINE typename Vec<L>::type loadu(const float* p) {
+  typename Vec<L>::type v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// NOTE: without this GCC folds a weight vector's load into every FMA that uses it (MR loads of
+// the same line instead of one); that halved the L2-hot rate at M = 2 (38 -> 65 GB/s here).
+template <typename T>
+FT_INLINE T in_register(T v) {
+#if defined(__GNUC__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+FT_INLINE float to_float(float v) { return v; }
+FT_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// x [M, K] -> the row chunks the kernels walk, each [K, mr] at offset r0 * K (M * K floats):
+// M rows cut into ceil(M / mr_max) equal chunks, transposed so a k's broadcasts share a line.
+template <typename XT>
+void transpose_chunks(const XT* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
+  const int64_t chunks = (M + mr_max - 1) / mr_max;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
+    float* o = out + r0 * K;
+    for (int64_t m = 0; m < mr; ++m) {
+      const XT* row = x + (r0 + m) * K;
+      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = to_float(row[k]);
+    }
+  }
+}
+
+// NOTE: a decode step streams every weight from DRAM; with 4 KB pages that is a TLB miss per 64
+// lines, and cold reads here ran ~20% faster from 2 MB pages (what THP_MEM_ALLOC_ENABLE=1 does
+// for every torch allocation). Asked for before the first touch, the packing writes fault huge
+// pages in; a no-op where THP is off or the range is smaller than one huge page.
+inline void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+}  // namespace panel
+}  // namespace freetoken

@@ -1,0 +1,320 @@
+// The panel linear over GGUF blocks: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in
+// the GGUF file's Q4_1 or Q8_0 blocks and each weight is dequantized in registers to exactly the
+// fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
+//
+// Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
+// layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
+// as Q4_1 blocks are 80 MB (fp32 scales), and dequantizing them costs ~4 vector ops per 16
+// weights, shared by every row of the step. The results are the fp32 model's: no activation
+// is quantized, no product is rounded differently from the fp32 kernel's.
+//
+// Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
+// d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
+// once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit.
+//
+// Layout: panels of 16 output columns, as the fp32 panels (csrc/linear_cpu.cpp), each cut into
+// blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
+// j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
+// the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
+// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
+//
+// Micro-kernel: as the fp32 panels': MR rows of x (transposed chunks), MR x 16 accumulators, KU
+// interleaved partial sums for small MR; per block row the dequantized vector is shared by the
+// MR FMAs. Threads: panel ranges over the TaskPool, small calls on the caller.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "cpu_target.h"
+#include "ops_torch.h"
+#include "panel_common.h"
+#include "task_pool.h"
+
+namespace freetoken {
+
+using panel::Format;
+using panel::in_register;
+using panel::kNR;
+using panel::kQ4_1BlockBytes;
+using panel::kQ8_0BlockBytes;
+using panel::loadu;
+using panel::Vec;
+
+namespace {
+
+constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
+constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
+// NOTE: dequantizing makes these calls compute bound, so unlike the fp32 panels (bound by DRAM,
+// which one core nearly saturates) they scale with threads; with the pool's helpers polling
+// between calls a split costs ~2 us, and only calls estimated under this stay on the caller.
+constexpr double kSplitNs = 20e3;
+
+struct Args {
+  const float* x;     // row chunks of x, each [K, mr]
+  const uint8_t* w;   // panels
+  const float* bias;  // [N] or null
+  float* y;           // [M, N]
+  int64_t M, N, K;
+};
+
+// NOTE: the blocks are read as 32-bit lanes only: GCC 12 scalarizes a widening
+// __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics cannot
+// serve the three ISA variants of one template.
+template <int L>
+struct Lanes {
+  typedef uint32_t u32 __attribute__((vector_size(4 * L)));
+  typedef int32_t i32 __attribute__((vector_size(4 * L)));
+};
+
+// Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
+template <int L, int MR, Format F>
+FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+  using vf = typename Vec<L>::type;
+  using vu = typename Lanes<L>::u32;
+  using vi = typename Lanes<L>::i32;
+  constexpr int V = kNR / L;
+  constexpr int KU = panel::partial_sums(MR * V);  // k unroll
+  constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  const int64_t K = a.K, nb = K / 32;
+  const float* x = a.x + r0 * K;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* blk = a.w + p * nb * kBlock;
+    vf acc[KU][MR][V];
+#pragma GCC unroll 64
+    for (int u = 0; u < KU; ++u)
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) acc[u][m][v] = vf{};
+    for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
+      const float* xb = x + b * 32 * MR;
+      const float* dp = reinterpret_cast<const float*>(blk);
+      vf d[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) d[v] = loadu<L>(dp + v * L);
+      if constexpr (F == panel::kQ4_1) {
+        vf mn[V];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) mn[v] = loadu<L>(dp + kNR + v * L);
+        const uint8_t* q = blk + 2 * kNR * 4;
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {  // rows 8 g .. 8 g + 7: a nibble each in every word
+          vu words[V];
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+#pragma GCC unroll 8
+          for (int t = 0; t < 8; ++t) {
+            const int k = 8 * g + t;
+            vf w[V];
+#pragma GCC unroll 64
+            for (int v = 0; v < V; ++v)
+              w[v] = in_register(
+                  __builtin_convertvector(vi((words[v] >> (4 * t)) & 15u), vf) * d[v] + mn[v]);
+#pragma GCC unroll 64
+            for (int m = 0; m < MR; ++m) {
+              const float xs = xb[k * MR + m];
+#pragma GCC unroll 64
+              for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
+            }
+          }
+        }
+      } else {
+        const uint8_t* q = blk + kNR * 4;
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {  // rows 4 g .. 4 g + 3: a byte each in every word
+          vu words[V];
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) {
+            const int k = 4 * g + t;
+            vf w[V];
+#pragma GCC unroll 64
+            for (int v = 0; v < V; ++v)  // the byte to the top, then an arithmetic shift down
+              w[v] = in_register(
+                  __builtin_convertvector(vi(words[v] << (24 - 8 * t)) >> 24, vf) * d[v]);
+#pragma GCC unroll 64
+            for (int m = 0; m < MR; ++m) {
+              const float xs = xb[k * MR + m];
+#pragma GCC unroll 64
+              for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
+            }
+          }
+        }
+      }
+    }
+#pragma GCC unroll 64
+    for (int u = 1; u < KU; ++u)
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
+    const int64_t n0 = p * kNR;
+    const int64_t nv = std::min<int64_t>(kNR, a.N - n0);
+    float* y = a.y + r0 * a.N + n0;
+    for (int m = 0; m < MR; ++m) {
+      if (nv == kNR) {
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) {
+          const vf o = acc[0][m][v] + (a.bias ? loadu<L>(a.bias + n0 + v * L) : vf{});
+          std::memcpy(y + m * a.N + v * L, &o, sizeof o);
+        }
+      } else {  // the tail panel: only nv columns exist
+        for (int64_t j = 0; j < nv; ++j)
+          y[m * a.N + j] = acc[0][m][j / L][j % L] + (a.bias ? a.bias[n0 + j] : 0.f);
+      }
+    }
+  }
+}
+
+// MR from the run-time row count mr (1..MR): one instantiation per value.
+template <int L, int MR, Format F>
+FT_INLINE void gguf_panels_rows(const Args& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return gguf_panels_rows<L, MR - 1, F>(a, mr, r0, p0, p1);
+  }
+  gguf_panels<L, MR, F>(a, r0, p0, p1);
+}
+
+// Panels [p0, p1) for every row: rows in equal chunks of at most MRMAX, each chunk walking an
+// L2-sized range of panels (the blocks then come from DRAM once).
+template <int L, int MRMAX, Format F>
+FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
+  const int64_t chunks = (a.M + MRMAX - 1) / MRMAX;
+  const int64_t block = chunks == 1 ? p1 - p0 : std::max<int64_t>(
+      1, kBlockPanelsBytes / panel::panel_bytes(F, a.K));
+  for (int64_t b0 = p0; b0 < p1; b0 += block) {
+    const int64_t b1 = std::min(p1, b0 + block);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = a.M * c / chunks, r1 = a.M * (c + 1) / chunks;
+      gguf_panels_rows<L, MRMAX, F>(a, static_cast<int>(r1 - r0), r0, b0, b1);
+    }
+  }
+}
+
+// Registers: AVX-512 holds 8 rows' accumulators and the block's vectors in its 32; AVX2 (two
+// vectors a panel row) 3 rows in 16; SSE2 (four) 1.
+template <Format F>
+FT_TARGET_AVX512 void run_avx512(const Args& a, int64_t p0, int64_t p1) {
+  run<16, 8, F>(a, p0, p1);
+}
+template <Format F>
+FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) {
+  run<8, 3, F>(a, p0, p1);
+}
+template <Format F>
+void run_base(const Args& a, int64_t p0, int64_t p1) {
+  run<4, 1, F>(a, p0, p1);
+}
+
+struct Kernel {
+  void (*run)(const Args&, int64_t, int64_t);
+  int64_t mr_max;
+};
+
+template <Format F>
+Kernel pick_kernel() {
+  const std::string name = cpu_isa();
+  if (name == "avx512") return {&run_avx512<F>, 8};
+  if (name == "avx2") return {&run_avx2<F>, 3};
+  return {&run_base<F>, 1};
+}
+
+float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, sizeof h);
+  return static_cast<float>(h);  // exact
+}
+
+// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero.
+void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N, int64_t K,
+                      uint8_t* dst) {
+  const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
+  const int64_t block = f == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  std::memset(dst, 0, P * nb * block);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* out = dst + (p * nb + b) * block;
+      float* d = reinterpret_cast<float*>(out);
+      for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
+        const uint8_t* s = src + (p * kNR + j) * row_bytes + b * source;
+        d[j] = half_at(s);
+        if (f == panel::kQ4_1) {
+          d[kNR + j] = half_at(s + 2);
+          const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
+          uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
+          for (int k = 0; k < 32; ++k) {
+            const uint32_t q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+            words[(k / 8) * kNR + j] |= q << (4 * (k % 8));
+          }
+        } else {
+          uint32_t* words = reinterpret_cast<uint32_t*>(out + kNR * 4);
+          for (int k = 0; k < 32; ++k)
+            words[(k / 4) * kNR + j] |= uint32_t{s[2 + k]} << (8 * (k % 4));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K) {
+  const Format f = type == "Q4_1" ? panel::kQ4_1 : panel::kQ8_0;
+  TORCH_CHECK(type == "Q4_1" || type == "Q8_0", "pack_gguf_panels: type must be Q4_1 or Q8_0, "
+              "got ", type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "pack_gguf_panels: blocks must be a 2-D uint8 CPU tensor [N, row bytes]");
+  TORCH_CHECK(K >= 32 && K % 32 == 0 && K <= INT32_MAX,
+              "pack_gguf_panels: K must be a positive multiple of 32, got ", K);
+  const int64_t N = blocks.size(0);
+  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / 32 * source,
+              "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / 32 * source,
+              " bytes; blocks is [", N, ", ", blocks.size(1), "]");
+  const at::Tensor src = blocks.contiguous();
+  const int64_t P = (N + kNR - 1) / kNR;
+  at::Tensor out = at::empty({panel::kHeaderBytes + P * panel::panel_bytes(f, K)},
+                             blocks.options());
+  panel::advise_huge_pages(out.data_ptr(), out.numel());
+  panel::write_header(out, N, K, f);
+  fill_gguf_panels(src.data_ptr<uint8_t>(), src.size(1), f, N, K,
+                   out.data_ptr<uint8_t>() + panel::kHeaderBytes);
+  return out;
+}
+
+namespace panel {
+
+void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+                       const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>() : pick_kernel<kQ8_0>();
+  at::Tensor xt;  // one row is its own [K, 1] chunk: no copy
+  const float* xp = x.data_ptr<float>();
+  if (M > 1) {
+    xt = at::empty({M * h.K}, x.options());
+    transpose_chunks(xp, M, h.K, kern.mr_max, xt.data_ptr<float>());
+    xp = xt.data_ptr<float>();
+  }
+  Args a{xp, packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K};
+  // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
+  // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
+  const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);
+  const double weights = static_cast<double>(h.P) * kNR * h.K;
+  const double est_ns = std::max({h.P * panel_bytes(h.format, h.K) / 20.0,
+                                  chunks * weights / 12.0, 2.0 * M * weights / 80.0});
+  const int nthreads = est_ns < kSplitNs ? 1 : at::get_num_threads();
+  // Tasks: a few contiguous panel ranges per thread (dynamic claiming absorbs a late helper).
+  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, h.P);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
+    kern.run(a, h.P * t / n, h.P * (t + 1) / n);
+  });
+}
+
+}  // namespace panel
+}  // namespace freetoken
