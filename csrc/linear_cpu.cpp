@@ -108,12 +108,7 @@ FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const WT* wp = a.w + p * K * kNR;
     vf acc[KU][MR][V];
-#pragma GCC unroll 64
-    for (int u = 0; u < KU; ++u)
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[u][m][v] = vf{};
+    panel::zero(acc);
     int64_t k = 0;
     for (; k + KU <= K; k += KU, wp += KU * kNR) {
 #pragma GCC unroll 64
@@ -142,31 +137,7 @@ FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
         for (int v = 0; v < V; ++v) acc[0][m][v] += wv[v] * xs;
       }
     }
-#pragma GCC unroll 64
-    for (int u = 1; u < KU; ++u)
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
-    const int64_t n0 = p * kNR;
-    const int64_t nv = std::min<int64_t>(kNR, a.N - n0);
-    float* y = a.y + r0 * a.N + n0;
-    if (nv == kNR) {
-      vf b[V];
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) b[v] = a.bias ? loadu<L>(a.bias + n0 + v * L) : vf{};
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) {
-          const vf o = acc[0][m][v] + b[v];
-          std::memcpy(y + m * a.N + v * L, &o, sizeof o);
-        }
-    } else {  // the tail panel: only nv columns exist
-      for (int m = 0; m < MR; ++m)
-        for (int64_t j = 0; j < nv; ++j)
-          y[m * a.N + j] = acc[0][m][j / L][j % L] + (a.bias ? a.bias[n0 + j] : 0.f);
-    }
+    panel::store_sums<L>(acc, a.y + r0 * a.N, a.N, p * kNR, a.bias);
   }
 }
 

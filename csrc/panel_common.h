@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -82,6 +83,48 @@ FT_INLINE T in_register(T v) {
   asm("" : "+x"(v));
 #endif
   return v;
+}
+
+// A micro-kernel's accumulators, acc[KU partial sums][MR rows][V vectors of L floats], zeroed.
+template <typename VF, int KU, int MR, int V>
+FT_INLINE void zero(VF (&acc)[KU][MR][V]) {
+#pragma GCC unroll 64
+  for (int u = 0; u < KU; ++u)
+#pragma GCC unroll 64
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) acc[u][m][v] = VF{};
+}
+
+// The partial sums added into acc[0] in the order u = 1, 2, ... (both kernels' order), plus the
+// bias, stored as columns [n0, n0 + kNR) of MR rows of y (row stride N; fewer past N).
+template <int L, typename VF, int KU, int MR, int V>
+FT_INLINE void store_sums(VF (&acc)[KU][MR][V], float* y, int64_t N, int64_t n0,
+                          const float* bias) {
+#pragma GCC unroll 64
+  for (int u = 1; u < KU; ++u)
+#pragma GCC unroll 64
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
+  const int64_t nv = std::min<int64_t>(kNR, N - n0);
+  y += n0;
+  if (nv == kNR) {
+    VF b[V];
+#pragma GCC unroll 64
+    for (int v = 0; v < V; ++v) b[v] = bias ? loadu<L>(bias + n0 + v * L) : VF{};
+#pragma GCC unroll 64
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) {
+        const VF o = acc[0][m][v] + b[v];
+        std::memcpy(y + m * N + v * L, &o, sizeof o);
+      }
+  } else {  // the tail panel: only nv columns exist
+    for (int m = 0; m < MR; ++m)
+      for (int64_t j = 0; j < nv; ++j)
+        y[m * N + j] = acc[0][m][j / L][j % L] + (bias ? bias[n0 + j] : 0.f);
+  }
 }
 
 FT_INLINE float to_float(float v) { return v; }

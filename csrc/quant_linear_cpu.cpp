@@ -84,12 +84,7 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* blk = a.w + p * nb * kBlock;
     vf acc[KU][MR][V];
-#pragma GCC unroll 64
-    for (int u = 0; u < KU; ++u)
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[u][m][v] = vf{};
+    panel::zero(acc);
     for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
       const float* xb = x + b * 32 * MR;
       const float* dp = reinterpret_cast<const float*>(blk);
@@ -147,27 +142,7 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
         }
       }
     }
-#pragma GCC unroll 64
-    for (int u = 1; u < KU; ++u)
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
-    const int64_t n0 = p * kNR;
-    const int64_t nv = std::min<int64_t>(kNR, a.N - n0);
-    float* y = a.y + r0 * a.N + n0;
-    for (int m = 0; m < MR; ++m) {
-      if (nv == kNR) {
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) {
-          const vf o = acc[0][m][v] + (a.bias ? loadu<L>(a.bias + n0 + v * L) : vf{});
-          std::memcpy(y + m * a.N + v * L, &o, sizeof o);
-        }
-      } else {  // the tail panel: only nv columns exist
-        for (int64_t j = 0; j < nv; ++j)
-          y[m * a.N + j] = acc[0][m][j / L][j % L] + (a.bias ? a.bias[n0 + j] : 0.f);
-      }
-    }
+    panel::store_sums<L>(acc, a.y + r0 * a.N, a.N, p * kNR, a.bias);
   }
 }
 
