@@ -8,8 +8,8 @@
 // another process on these shared machines) finds the work done and costs nothing. One caller at a
 // time: a second concurrent caller, or a forked child (no helpers), runs its tasks alone.
 //
-// Waiting: a helper that has just run tasks polls for the next call for 200 us
-// (FREETOKEN_POOL_POLL_US) before it sleeps
+// Waiting: a helper that has just run tasks polls for the next call for up to 200 us
+// (FREETOKEN_POOL_POLL_US; less while calls come far apart, see helper()) before it sleeps
 // on the condition variable, and the caller polls for the helpers' last tasks as long before it
 // sleeps. A forward is a chain of calls ~20-200 us apart; a futex wake-up costs ~10-40 us here,
 // which made a 2-thread 1536 x 576 linear at 8 rows 123 us against 141 us on one thread. The
@@ -93,10 +93,10 @@ class TaskPool {
     return ns;
   }
 
-  // Polls until done() or poll_ns() have passed.
+  // Polls until done() or `ns` have passed.
   template <typename Done>
-  static void poll(const Done& done) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(poll_ns());
+  static void poll(const Done& done, int64_t ns = poll_ns()) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
     while (!done()) {
       for (int i = 0; i < 64; ++i) pause();
       if (std::chrono::steady_clock::now() > until) return;
@@ -109,16 +109,26 @@ class TaskPool {
 #endif
   }
 
+  // NOTE: a helper's poll steals a core from whatever runs between two calls. When the calls come
+  // far apart (a bf16 step: oneDNN's OpenMP threads run the linears, only attention is here) the
+  // poll only hurts, so its budget halves after every gap longer than poll_ns() and is whole
+  // again after a gap within it: bf16 classify 8 x 28 forward ran 183-187 ms without the poll,
+  // 202 ms with a fixed one.
   void helper() {
     uint64_t seen = gen_.load();
+    int64_t budget = poll_ns();
     while (true) {
-      poll([&] { return gen_.load(std::memory_order_acquire) != seen; });
+      const auto idle_from = std::chrono::steady_clock::now();
+      poll([&] { return gen_.load(std::memory_order_acquire) != seen; }, budget);
       std::unique_lock<std::mutex> lk(mu_);
       if (gen_.load() == seen) {
         ++sleepers_;
         cv_work_.wait(lk, [&] { return gen_.load() != seen; });
         --sleepers_;
       }
+      const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - idle_from).count();
+      budget = gap <= poll_ns() ? poll_ns() : budget / 2;
       seen = gen_.load();
       if (joined_ >= max_join_) continue;
       ++joined_;
