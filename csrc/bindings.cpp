@@ -38,7 +38,7 @@ bool cuda_compiled() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, CPU paged "
-            "decode attention and fused elementwise ops";
+            "attention and fused elementwise ops";
   m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
@@ -46,15 +46,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_compact", &freetoken::check_compact_cpu,
         "validate (offsets, ids[, values]) for B rows and V ids: '' or the error message",
         py::arg("offsets"), py::arg("ids"), py::arg("values"), py::arg("B"), py::arg("V"));
-  m.def("paged_decode_attention", &freetoken::paged_decode_attention_cpu,
-        "CPU: one query token per sequence over its paged K/V, read in place -> [S, nh, hd]",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("window"));
   m.def("paged_attention", &freetoken::paged_attention_cpu,
         "CPU: causal attention of each sequence's query tokens over its paged K/V, read in "
-        "place -> [T, nh, hd]", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
-        py::arg("scale"), py::arg("window"));
+        "place (after writing k, v at slot_mapping, if given) -> [T, nh, hd]", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("window"),
+        py::arg("k") = py::none(), py::arg("v") = py::none(),
+        py::arg("slot_mapping") = py::none());
   m.def("rms_norm", &freetoken::rms_norm_cpu,
         "CPU: RMSNorm over the rows of x [T, H] -> [T, H] (weight's dtype if fp32)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));

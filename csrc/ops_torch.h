@@ -40,13 +40,6 @@ std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
 std::string check_compact_cpu(const at::Tensor& offsets, const at::Tensor& ids,
                               const c10::optional<at::Tensor>& values, int64_t B, int64_t V);
 
-// One query token per sequence over its paged context (see attention_cpu.cpp). q [S, nh, hd];
-// k_cache, v_cache [NB, bs, kvh, hd] (same dtype as q); block_table int64 [S, max_blocks];
-// seq_lens int64 [S] (the query is at seq_len - 1); window <= 0: none. -> [S, nh, hd].
-at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
-                                      const at::Tensor& v_cache, const at::Tensor& block_table,
-                                      const at::Tensor& seq_lens, double scale, int64_t window);
-
 // Fused elementwise ops of the Llama forward (see elementwise_cpu.cpp), fp32 or bf16, CPU only.
 // Each matches the torch twin in freetoken/ops.py op by op (the same intermediate roundings).
 // RMSNorm over the rows of x [T, H] (stride(1) == 1, any row stride); weight [H] in x's dtype or

@@ -1,6 +1,8 @@
 // Paged attention on the CPU for any number of query tokens per sequence (decode, prefill, a
 // prompt behind a cached prefix, chunks): K/V read in place from the paged pool, causal, GQA, an
-// optional sliding window.
+// optional sliding window; optionally the step's new K/V written into the pool first (write_kv).
+// The micro-kernels are in paged_attention_kernels.h; here: the tasks, one task's walk over its
+// key tiles (softmax, mask), the scratch, the checks and the op.
 //
 // Why: the torch path (freetoken/model/attention.py) gathers every multi-token sequence's context
 // into a dense copy per layer and runs one padded SDPA with an additive mask; on the classify step
@@ -17,6 +19,8 @@
 //   the causal / window mask, then the softmax update down each column, vectorized across
 //     columns (running max and sum per column, the output rescaled when the max grows);
 //   O [cols, hd] += P V: each V row read in place as hd / L vectors, P's entries broadcast.
+// The two products are out-of-line per ISA (see FT_ATTENTION_KERNELS): inlined, GCC spilled the
+// key pointers.
 //
 // Numerics: fp32 scores, softmax and sums (as SDPA on CPU); q pre-scaled; exp by a polynomial
 // (error < 2e-7 relative; std::exp does not vectorize without -ffast-math). bf16 / fp16 pools
@@ -41,160 +45,20 @@
 
 #include "cpu_target.h"
 #include "paged_attention_cpu.h"
+#include "paged_attention_kernels.h"
 #include "ops_torch.h"
 #include "task_pool.h"
 
 namespace freetoken {
 namespace {
 
+using namespace paged_attention_kernels;  // NOLINT: this file's own micro-kernels
+
 constexpr int64_t kKeyTile = 256;  // keys per softmax step: S^T tile <= 256 x 96 fp32 (L2)
 constexpr int64_t kColTile = 96;   // the most query columns per task (a multiple of 16)
 // NOTE: waking a helper costs ~10-40 us here; a call estimated under this on one thread runs on
 // the caller alone.
 constexpr double kInlineNs = 60e3;
-
-template <int L>
-struct Vec {
-  typedef float f __attribute__((vector_size(4 * L)));
-  typedef int32_t i __attribute__((vector_size(4 * L)));
-};
-
-template <int L>
-FT_INLINE typename Vec<L>::f loadu(const float* p) {
-  typename Vec<L>::f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <int L>
-FT_INLINE void storeu(float* p, typename Vec<L>::f v) {
-  std::memcpy(p, &v, sizeof v);
-}
-template <int L>
-FT_INLINE typename Vec<L>::f splat(float x) {
-  return typename Vec<L>::f{} + x;
-}
-
-// Keeps a loaded vector in a register (GCC otherwise folds the load into every FMA using it).
-template <typename T>
-FT_INLINE T in_register(T v) {
-#if defined(__GNUC__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
-
-// exp(x) for x <= 0 or -inf, L lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
-// Taylor polynomial (< 2e-7 relative), times 2^n from the exponent bits; n is rounded with the
-// 1.5 * 2^23 trick (SSE2 has no round instruction). Exactly 0 below -87.3 (masked keys too).
-template <int L>
-FT_INLINE typename Vec<L>::f exp_nonpositive(typename Vec<L>::f x) {
-  using vf = typename Vec<L>::f;
-  using vi = typename Vec<L>::i;
-  const vf lo = splat<L>(-87.3f);
-  const vi dead = x < lo;
-  const vf xc = dead ? lo : x;
-  const vf magic = splat<L>(12582912.f);
-  const vf n = (xc * 1.44269504089f + magic) - magic;
-  const vf r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  vf p = splat<L>(1.f / 720);
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return dead ? vf{} : p * two_n;
-}
-
-// ---------------------------------------------------------------------------------------------
-// The two micro-kernels. cw: S^T's row stride (the padded column count).
-
-// S^T[m, j*L ..] = sum_d K[m, d] Q^T[d, j*L ..] for MR keys and NP vectors of columns.
-template <int L, int MR, int NP>
-FT_INLINE void qk_block(const float* const* krow, const float* qt, int64_t cw, int64_t hd,
-                        float* s) {
-  using vf = typename Vec<L>::f;
-  const float* k[MR];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) k[m] = krow[m];
-  vf acc[MR][NP];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) acc[m][j] = vf{};
-  for (int64_t d = 0; d < hd; ++d) {
-    vf qv[NP];
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) qv[j] = in_register(loadu<L>(qt + d * cw + j * L));
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const float kb = k[m][d];
-#pragma GCC unroll 16
-      for (int j = 0; j < NP; ++j) acc[m][j] += qv[j] * kb;
-    }
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int j = 0; j < NP; ++j) storeu<L>(s + m * cw + j * L, acc[m][j]);
-}
-
-// mr (1..MR) keys, np (1..NP) column vectors: one instantiation per pair.
-template <int L, int MR, int NP>
-FT_INLINE void qk_any(int mr, int np, const float* const* krow, const float* qt, int64_t cw,
-                      int64_t hd, float* s) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return qk_any<L, MR - 1, NP>(mr, np, krow, qt, cw, hd, s);
-  }
-  if constexpr (NP > 1) {
-    if (np < NP) return qk_any<L, MR, NP - 1>(mr, np, krow, qt, cw, hd, s);
-  }
-  qk_block<L, MR, NP>(krow, qt, cw, hd, s);
-}
-
-// O[c, voff + v*L ..] = alpha[c] O[c, ..] + sum_p P[p, c] V[p, voff + v*L ..] for MC columns
-// and VC vectors of the head dimension; o's row stride is hd.
-template <int L, int MC, int VC>
-FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const float* p,
-                        int64_t cw, const float* alpha, float* o, int64_t hd) {
-  using vf = typename Vec<L>::f;
-  vf acc[MC][VC];
-#pragma GCC unroll 16
-  for (int m = 0; m < MC; ++m)
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) acc[m][v] = loadu<L>(o + m * hd + voff + v * L) * alpha[m];
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vr = vrow[j] + voff;
-    vf vv[VC];
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) vv[v] = in_register(loadu<L>(vr + v * L));
-#pragma GCC unroll 16
-    for (int m = 0; m < MC; ++m) {
-      const float pb = p[j * cw + m];
-#pragma GCC unroll 16
-      for (int v = 0; v < VC; ++v) acc[m][v] += vv[v] * pb;
-    }
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < MC; ++m)
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) storeu<L>(o + m * hd + voff + v * L, acc[m][v]);
-}
-
-template <int L, int MC, int VC>
-FT_INLINE void pv_any(int mc, int vc, const float* const* vrow, int64_t n, int64_t voff,
-                      const float* p, int64_t cw, const float* alpha, float* o, int64_t hd) {
-  if constexpr (MC > 1) {
-    if (mc < MC) return pv_any<L, MC - 1, VC>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
-  }
-  if constexpr (VC > 1) {
-    if (vc < VC) return pv_any<L, MC, VC - 1>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
-  }
-  pv_block<L, MC, VC>(vrow, n, voff, p, cw, alpha, o, hd);
-}
 
 // ---------------------------------------------------------------------------------------------
 // One task
@@ -219,20 +83,6 @@ struct Task {
   double cost;                       // multiply-adds, for ordering and the inline decision
 };
 
-// A task's scratch, sized by the caller (std:: code stays out of the ISA bodies).
-struct Scratch {
-  float* qt;     // [hd, cw]
-  float* s;      // [kKeyTile, cw]
-  float* o;      // [cols, hd]
-  float* m;      // [cw] running max
-  float* l;      // [cw] running sum
-  float* alpha;  // [cw] this tile's rescale of O
-  const float** krow;  // [kKeyTile]
-  const float** vrow;
-  float* kw;  // [kKeyTile, hd] widened K / V rows (non-fp32 pools)
-  float* vw;
-};
-
 FT_INLINE void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 FT_INLINE void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
@@ -245,37 +95,10 @@ FT_INLINE void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Register blocks. QK: MR keys x NP vectors of LC columns; PV: MC columns x VC vectors of L
-// floats of the head dimension. AVX-512 has 32 vector registers, AVX2 and SSE2 16.
-template <int LC, int MR, int NP>
-struct QkShape {
-  static constexpr int kLC = LC, kMR = MR, kNP = NP;
-};
-template <int L, int MC, int VC>
-struct PvShape {
-  static constexpr int kL = L, kMC = MC, kVC = VC;
-};
-
-// S^T[j, c0 ..] for keys [0, n) and vectors [v0, v1) of QK::kLC columns starting at column c0.
-template <class QK>
-FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, int64_t cw,
-                        int64_t hd) {
-  constexpr int LC = QK::kLC;
-  for (int64_t v0 = 0; v0 < nvec; v0 += QK::kNP) {
-    const int np = static_cast<int>(std::min<int64_t>(QK::kNP, nvec - v0));
-    const int64_t col = c0 + v0 * LC;
-    for (int64_t j = 0; j < n; j += QK::kMR) {
-      const int mr = static_cast<int>(std::min<int64_t>(QK::kMR, n - j));
-      qk_any<LC, QK::kMR, QK::kNP>(mr, np, w.krow + j, w.qt + col, cw, hd, w.s + j * cw + col);
-    }
-  }
-}
-
-// One task. QK: the column vectors; QKT: a half-width shape for a last vector that is at most
-// half full (the narrower FMAs cost half on Zen 4 / Intel's 2 x 256-bit units), or QK itself.
-template <class PV, class QK, class QKT, typename CacheT>
+// One task, with one ISA's kernels K.
+template <class K, typename CacheT>
 FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
-  constexpr int L = PV::kL, LC = QK::kLC;
+  constexpr int LC = K::kLC;
   using vf = typename Vec<LC>::f;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t hd = pr.hd, G = pr.group, s = t.seq;
@@ -302,7 +125,7 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   const int64_t key_hi = pos_of(nc - 1) + 1;
   // A half-full last vector goes through QKT.
   const int64_t tail_real = nc - (nv - 1) * LC;
-  const bool narrow_tail = QKT::kLC < LC && tail_real <= QKT::kLC;
+  const bool narrow_tail = K::kTailLC < LC && tail_real <= K::kTailLC;
 
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, key_hi - k0);
@@ -328,13 +151,13 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
     // S^T = K Q^T, per group of column vectors only over the keys some column in it can see
     // (the mask below hides the rest).
     const int64_t full_vecs = narrow_tail ? nv - 1 : nv;
-    for (int64_t v0 = 0; v0 < full_vecs; v0 += QK::kNP) {
-      const int64_t v1 = std::min(full_vecs, v0 + QK::kNP);
+    for (int64_t v0 = 0; v0 < full_vecs; v0 += K::kNP) {
+      const int64_t v1 = std::min(full_vecs, v0 + K::kNP);
       const int64_t last = std::min(nc - 1, v1 * LC - 1);
       const int64_t keys = std::min(n, pos_of(last) + 1 - k0);
-      qk_range<QK>(w, keys, v0 * LC, v1 - v0, cw, hd);
+      K::qk(w, keys, v0 * LC, v1 - v0, cw, hd);
     }
-    if (narrow_tail) qk_range<QKT>(w, n, (nv - 1) * LC, 1, cw, hd);
+    if (narrow_tail) K::qk_tail(w, n, (nv - 1) * LC, cw, hd);
     // The mask: row p hides the columns before the first token at position >= p (causal) and,
     // with a window, the columns from the first token at position >= p + window.
     for (int64_t j = 0; j < n; ++j) {
@@ -379,24 +202,7 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
       storeu<LC>(w.l + v * LC, loadu<LC>(w.l + v * LC) * a + sum);
       storeu<LC>(w.m + v * LC, m_new);
     }
-    // O = alpha O + P V over the real columns, each group only over the keys it can see; a
-    // head_dim tail (hd % L) in scalar code.
-    const int64_t full = hd / L;
-    for (int64_t c = 0; c < nc; c += PV::kMC) {
-      const int mc = static_cast<int>(std::min<int64_t>(PV::kMC, nc - c));
-      const int64_t keys = std::min(n, pos_of(c + mc - 1) + 1 - k0);
-      for (int64_t v = 0; v < full; v += PV::kVC) {
-        const int vc = static_cast<int>(std::min<int64_t>(PV::kVC, full - v));
-        pv_any<L, PV::kMC, PV::kVC>(mc, vc, w.vrow, keys, v * L, w.s + c, cw, w.alpha + c,
-                                    w.o + c * hd, hd);
-      }
-      for (int64_t d = full * L; d < hd; ++d)
-        for (int m = 0; m < mc; ++m) {
-          float acc = w.o[(c + m) * hd + d] * w.alpha[c + m];
-          for (int64_t j = 0; j < keys; ++j) acc += w.s[j * cw + c + m] * w.vrow[j][d];
-          w.o[(c + m) * hd + d] = acc;
-        }
-    }
+    K::pv(w, n, nc, cw, hd, first_pos + 1 - k0, t.col0, G);
   }
   for (int64_t c = 0; c < nc; ++c) {
     const int64_t gc = t.col0 + c;
@@ -406,25 +212,21 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   }
 }
 
-// Per ISA: 16 columns per vector for wide tasks, 8 for tasks of at most 8 columns (decode:
-// one token x G heads), each with its half-width tail shape.
 template <typename CacheT>
 FT_TARGET_AVX512 void task_avx512(const Problem& pr, const Task& t, const Scratch& w) {
-  using PV = PvShape<16, 6, 4>;
   if (t.col1 - t.col0 > 8) {
-    run_task<PV, QkShape<16, 6, 4>, QkShape<8, 12, 2>, CacheT>(pr, t, w);
+    run_task<Avx512Wide, CacheT>(pr, t, w);
   } else {
-    run_task<PV, QkShape<8, 12, 2>, QkShape<4, 12, 1>, CacheT>(pr, t, w);
+    run_task<Avx512Narrow, CacheT>(pr, t, w);
   }
 }
 template <typename CacheT>
 FT_TARGET_AVX2 void task_avx2(const Problem& pr, const Task& t, const Scratch& w) {
-  run_task<PvShape<8, 3, 3>, QkShape<8, 3, 3>, QkShape<4, 3, 3>, CacheT>(pr, t, w);
+  run_task<Avx2Kernels, CacheT>(pr, t, w);
 }
 template <typename CacheT>
 void task_base(const Problem& pr, const Task& t, const Scratch& w) {
-  using QK = QkShape<4, 3, 3>;
-  run_task<PvShape<4, 3, 3>, QK, QK, CacheT>(pr, t, w);
+  run_task<BaseKernels, CacheT>(pr, t, w);
 }
 
 // Per-thread scratch buffers, grown as needed, never shrunk. Every buffer starts on a 64-byte
@@ -499,12 +301,51 @@ void make_tasks(const Problem& pr, int64_t S, std::vector<Task>& tasks) {
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
 }
 
+// k, v [T, kvh, hd] into the pools' rows at slot_mapping [T] (the step's new K/V), cast to the
+// pool's dtype as torch's .to() would. In the op: the two index_copy_ it replaces cost ~8-18 us
+// per layer in dispatch alone.
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping,
+              const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const int64_t T = k.size(0), kvh = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK_VALUE(x->device().is_cpu() && x->dim() == 3 && x->size(0) == T &&
+                          x->size(1) == kvh && x->size(2) == hd && x->stride(2) == 1 &&
+                          x->stride(1) == hd,
+                      "paged_attention: k and v must be [T, num_kv_heads, head_dim] = [", T, ", ",
+                      kvh, ", ", hd, "] with contiguous heads, got ", x->sizes());
+  TORCH_CHECK_VALUE(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                        slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                        slot_mapping.is_contiguous(),
+                    "paged_attention: slot_mapping must be contiguous int64 [T] (T = ", T, ")");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(slot[t] >= 0 && slot[t] < slots, "paged_attention: slot_mapping[", t,
+                      "] is ", slot[t], ", outside the pool of ", slots, " slots");
+  const auto ct = k_cache.scalar_type();
+  // A dtype other than the pool's is cast by torch first (rare: the model's dtype is the pool's).
+  const at::Tensor kc = k.scalar_type() == ct ? k : k.to(ct);
+  const at::Tensor vc = v.scalar_type() == ct ? v : v.to(ct);
+  const int64_t row = kvh * hd * static_cast<int64_t>(k_cache.element_size());
+  char* kp = static_cast<char*>(k_cache.data_ptr());
+  char* vp = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(kc.data_ptr());
+  const char* vs = static_cast<const char*>(vc.data_ptr());
+  const int64_t ks_row = kc.stride(0) * kc.element_size(), vs_row = vc.stride(0) * vc.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kp + slot[t] * row, ks + t * ks_row, row);
+    std::memcpy(vp + slot[t] * row, vs + t * vs_row, row);
+  }
+}
+
 }  // namespace
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale, int64_t window) {
+                               double scale, int64_t window, const c10::optional<at::Tensor>& k,
+                               const c10::optional<at::Tensor>& v,
+                               const c10::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                         block_tables.device().is_cpu() && seq_lens.device().is_cpu() &&
                         query_start_loc.device().is_cpu(),
@@ -565,6 +406,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                         " is ", blk, ", outside the pool of ", NB);
     }
   }
+
+  TORCH_CHECK_VALUE(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
+                    "paged_attention: pass k, v and slot_mapping together, or none of them");
+  if (k.has_value()) write_kv(*k, *v, *slot_mapping, k_cache, v_cache);
 
   // q as fp32 with unit head stride (a view into the qkv output is fine as it is).
   at::Tensor q32 = q;

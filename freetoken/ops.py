@@ -3,7 +3,8 @@
     topk_logprobs(logits, k, allowed=None, logit_bias=None) -> (ids, logprobs, lse)
     sample_tokens(logits, allowed, logit_bias, temperature, top_k, top_p, min_p, seed, step)
     backend() / backend_for(device) -> "ext-cpu" | "ext-cuda" | "torch"
-    paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, window)  (CPU ext)
+    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window)
+      (CPU ext)  paged_attention_available(device, dtype)
     rms_norm(x, weight, eps, residual=None) -> y | (y, residual)   fused_elementwise_available(x)
     silu_mul(gate_up, intermediate_size) -> act;  rope_(q, k, cos, sin) (in place)
       (the Llama forward's elementwise ops: fused on the CPU ext for fp32/bf16, else the twin)
@@ -431,26 +432,6 @@ __all__ = ["MAX_K", "backend", "backend_for", "fused_elementwise_available", "gu
 
 
 # ---------------------------------------------------------------------------------------------
-# paged decode attention (CPU)
-
-
-def paged_decode_available(device: torch.device) -> bool:
-    """True when freetoken._C serves paged_decode_attention for tensors on `device`; otherwise
-    freetoken/model/attention.py gathers the context and calls SDPA (the torch twin)."""
-    return backend_for(device) == "ext-cpu" and hasattr(_C, "paged_decode_attention")
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int | None) -> torch.Tensor:
-    """q [S, nh, hd], one query token per sequence at position seq_lens[s] - 1, over its context
-    0..seq_lens[s]-1 read in place from k_cache/v_cache [NB, bs, kvh, hd] through block_table
-    int64 [S, nb]; window: keep keys p > pos - window. -> [S, nh, hd] in q's dtype."""
-    return _C.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, float(scale),
-                                     int(window or 0))
-
-
-# ---------------------------------------------------------------------------------------------
 # paged attention for any number of query tokens per sequence (CPU)
 
 _HAS_PAGED_ATTENTION = _C is not None and hasattr(_C, "paged_attention")  # False: stale build
@@ -467,20 +448,25 @@ def paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float,
-                    window: int | None) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, window: int | None, *,
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                    slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, nh, hd] (heads contiguous, any row stride); k_cache, v_cache [NB, bs, kvh, hd]
     contiguous, one dtype; block_tables int64 [S, nb], seq_lens int64 [S], query_start_loc int64
     [S + 1], all contiguous. Sequence s's query tokens are rows qsl[s]..qsl[s+1]-1 at positions
     seq_lens[s] - n_q + i; each attends causally to keys 0..its position read in place from the
     pool through block_tables (window: only keys p > pos - window), head h to kv head
     h // (nh // kvh). fp32 scores, softmax and sums. -> [T, nh, hd] in q's dtype. Bad arguments
-    (a block outside the pool, seq_len < n_q, shapes, dtypes) raise ValueError. No autograd."""
+    (a block outside the pool, seq_len < n_q, shapes, dtypes) raise ValueError. No autograd.
+
+    With k, v [T, kvh, hd] (heads contiguous) and slot_mapping int64 [T], the step's new K/V are
+    first written into the pools at those flat slots (cast to the pool's dtype), as
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k) would."""
     if not _HAS_PAGED_ATTENTION:
         why = _IMPORT_ERROR if _C is None else "this build has no paged_attention (rebuild it)"
         raise RuntimeError(f"paged_attention needs freetoken._C: {why}")
     return _C.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              float(scale), int(window or 0))
+                              float(scale), int(window or 0), k, v, slot_mapping)
 
 
 # ---------------------------------------------------------------------------------------------

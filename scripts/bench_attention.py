@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Paged attention per layer on SmolLM2's shapes: the extension's in-place kernel
-(ops.paged_attention, every sequence in one call) against the torch path (gather the context by
-blocks, then one padded SDPA with an additive mask) and, for one query token per sequence, the
-older decode kernel (ops.paged_decode_attention).
+(ops.paged_attention, every sequence in one call, the step's K/V written by the op: "kernel";
+"kernel_read" without the write) against the torch path (index_copy_ of the step's K/V, gather
+the context by blocks, then one padded SDPA with an additive mask).
 
 Two steps: the classify step (8 sequences x 28 queries behind a 176-token prefix whose blocks
 they share) and decode (--seqs x 1 query at --context). One call per layer over --layers
@@ -33,7 +33,8 @@ BS = 16
 
 
 def make_step(num_seqs, num_q, context, shared_prefix, layers, nh, kvh, hd):
-    """-> (pools, block_tables, seq_lens, query_start_loc, q, additive mask [S, 1, Q, L])."""
+    """-> (pools, block_tables, seq_lens, query_start_loc, q, additive mask [S, 1, Q, L],
+    (k, v, slot_mapping) of the step's tokens; q, k, v are views into one qkv tensor)."""
     nb = -(-context // BS)
     own = nb - shared_prefix // BS  # blocks of each sequence's own (shared: the prefix's)
     pool_blocks = max(shared_prefix // BS + num_seqs * own + 8, 256)
@@ -45,11 +46,18 @@ def make_step(num_seqs, num_q, context, shared_prefix, layers, nh, kvh, hd):
              for _ in range(layers)]
     lens = torch.full((num_seqs,), context, dtype=torch.long)
     qsl = torch.arange(num_seqs + 1) * num_q
-    q = torch.randn(num_seqs * num_q, nh, hd)
+    T = num_seqs * num_q  # noqa: N806
+    qkv = torch.randn(T, (nh + 2 * kvh) * hd)
+    q = qkv[:, : nh * hd].view(T, nh, hd)
+    k = qkv[:, nh * hd : (nh + kvh) * hd].view(T, kvh, hd)
+    v = qkv[:, (nh + kvh) * hd :].view(T, kvh, hd)
+    slots = torch.tensor([int(tables[s, p // BS]) * BS + p % BS for s in range(num_seqs)
+                          for p in range(context - num_q, context)])
     q_pos = torch.arange(context - num_q, context)
     hidden = torch.arange(context)[None, :] > q_pos[:, None]  # [Q, L]
     mask = torch.zeros(num_q, context).masked_fill_(hidden, -float("inf"))
-    return pools, tables, lens, qsl, q, mask.expand(num_seqs, 1, num_q, context).contiguous()
+    mask = mask.expand(num_seqs, 1, num_q, context).contiguous()
+    return pools, tables, lens, qsl, q, mask, (k, v, slots)
 
 
 def main() -> int:
@@ -76,30 +84,32 @@ def main() -> int:
                                            hd),
     }
 
-    def kernel(pools, tables, lens, qsl, q, mask):
-        for k, v in pools:
-            ops.paged_attention(q, k, v, tables, lens, qsl, scale, None)
+    def kernel(pools, tables, lens, qsl, q, mask, new):
+        k, v, slots = new
+        for kc, vc in pools:
+            ops.paged_attention(q, kc, vc, tables, lens, qsl, scale, None, k=k, v=v,
+                                slot_mapping=slots)
 
-    def decode_kernel(pools, tables, lens, qsl, q, mask):
-        for k, v in pools:
-            ops.paged_decode_attention(q, k, v, tables, lens, scale, None)
+    def kernel_read(pools, tables, lens, qsl, q, mask, new):
+        for kc, vc in pools:
+            ops.paged_attention(q, kc, vc, tables, lens, qsl, scale, None)
 
-    def gather_sdpa(pools, tables, lens, qsl, q, mask):
+    def gather_sdpa(pools, tables, lens, qsl, q, mask, new):
         S, Q, L = mask.shape[0], mask.shape[2], mask.shape[3]  # noqa: N806
         qg = q.view(S, Q, nh, hd).transpose(1, 2)
         for k, v in pools:
+            k.view(-1, kvh, hd).index_copy_(0, new[2], new[0])
+            v.view(-1, kvh, hd).index_copy_(0, new[2], new[1])
             kg = k.index_select(0, tables.reshape(-1)).view(S, -1, kvh, hd)[:, :L]
             vg = v.index_select(0, tables.reshape(-1)).view(S, -1, kvh, hd)[:, :L]
             F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
 
-    methods = {"kernel": kernel, "gather_sdpa": gather_sdpa, "decode_kernel": decode_kernel}
+    methods = {"kernel": kernel, "kernel_read": kernel_read, "gather_sdpa": gather_sdpa}
     times: dict[str, dict[str, list[float]]] = {name: {} for name in steps}
     for r in range(args.rounds + 1):  # round 0: warm-up
         for name, step in steps.items():
             for method, fn in methods.items():
-                if method == "decode_kernel" and step[4].shape[0] != step[1].shape[0]:
-                    continue  # one query token per sequence only
                 t0 = time.perf_counter()
                 fn(*step)
                 if r:

@@ -106,21 +106,17 @@ def _isas() -> list[str]:
 
 ISAS = _isas()
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="ops.paged_attention is not in use")
-IMPLS = (["torch"] + (["ext-decode"] if ops.paged_decode_available(CPU) else [])
-         + [f"ext-{isa}" for isa in ISAS])
+IMPLS = ["torch"] + [f"ext-{isa}" for isa in ISAS]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("name", list(STEPS))
 def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch):
-    """ext-<isa>: one ops.paged_attention call for the step; ext-decode: decode groups through
-    csrc/attention_cpu.cpp, the rest torch; torch: gather + SDPA for all."""
-    if not impl.startswith("ext-") or impl == "ext-decode":
-        monkeypatch.setattr(attention.ops, "paged_attention_available", lambda device, dt: False)
+    """ext-<isa>: one ops.paged_attention call for the step; torch: gather + SDPA."""
     if impl == "torch":
-        monkeypatch.setattr(attention.ops, "paged_decode_available", lambda device: False)
-    if impl.startswith("ext-") and impl != "ext-decode":
+        monkeypatch.setattr(attention.ops, "paged_attention_available", lambda device, dt: False)
+    else:
         ops._C.set_cpu_isa(impl.removeprefix("ext-"))  # reset below
     rng = random.Random(sum(map(ord, name)) * 7 + (window or 0))
     torch.manual_seed(rng.randrange(1 << 30))
@@ -130,7 +126,7 @@ def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch
     T = batch.num_tokens  # noqa: N806
     q, k, v = torch.randn(T, NH, HD), torch.randn(T, KVH, HD), torch.randn(T, KVH, HD)
     meta = build_attention_metadata(batch, BLOCK, window)
-    assert (meta.kernel is not None) == (impl.startswith("ext-") and impl != "ext-decode")
+    assert (meta.kernel is not None) == impl.startswith("ext-")
     try:
         out = paged_attention(q, k, v, k_cache, v_cache, meta, HD**-0.5)
     finally:
@@ -171,43 +167,6 @@ def test_groups_are_what_the_docstring_says(monkeypatch):
     batch, _ = random_step(rng, STEPS["fresh prompts, too uneven to pad"])
     meta = build_attention_metadata(batch, BLOCK, sliding_window=6)
     assert [g.num_seqs for g in meta.groups] == [1, 1, 1] and meta.fresh == []
-
-
-@pytest.mark.skipif("ext-decode" not in IMPLS, reason="freetoken._C is not built")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_against_the_torch_path(dtype):
-    """Longer contexts (up to 300), GQA 4:1, head_dim 80 (not a multiple of 16), bf16 pools."""
-    g = torch.Generator().manual_seed(3)
-    S, nh, kvh, hd, bs, nb = 5, 8, 2, 80, 16, 100  # noqa: N806
-    k_cache = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
-    v_cache = torch.randn(nb, bs, kvh, hd, generator=g).to(dtype)
-    q = torch.randn(S, nh, hd, generator=g).to(dtype)
-    lens = torch.tensor([1, 17, 300, 64, 129])
-    table = torch.randperm(nb, generator=g)[: S * 19].view(S, 19)
-    for window in (None, 50):
-        got = ops.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.11, window)
-        assert got.dtype == dtype and got.shape == q.shape
-        for s in range(S):
-            n = int(lens[s])
-            slots = [int(table[s, p // bs]) * bs + p % bs for p in range(n)]
-            k_ctx = k_cache.view(-1, kvh, hd)[slots].float()
-            v_ctx = v_cache.view(-1, kvh, hd)[slots].float()
-            q_s = q[s : s + 1].float() * (0.11 / hd**-0.5)  # reference() scales by hd**-0.5
-            want = reference(q_s, k_ctx, v_ctx, [n - 1], window)[0]
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got[s].double(), want, atol=tol, rtol=0)
-
-
-@pytest.mark.skipif("ext-decode" not in IMPLS, reason="freetoken._C is not built")
-def test_decode_kernel_refuses_bad_tables():
-    q = torch.randn(1, 4, 8)
-    cache = torch.randn(4, 4, 2, 8)
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 9]]), torch.tensor([6]),
-                                   1.0, None)
-    with pytest.raises(RuntimeError, match="seq_len"):
-        ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]),
-                                   1.0, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +260,25 @@ def test_kernel_half_precision_pools(isa, dtype, q_dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,kvh,hd", [(8, 2, 80), (16, 2, 64), (9, 3, 64)])
+def test_kernel_decodes(isa, dtype, nh, kvh, hd):
+    """One query token per sequence (the decode step; the former decode kernel's test): contexts
+    1 to 300, groups of 4, 8 and 3 heads (tasks of at most 8 columns: the narrow shapes), a
+    head_dim of 80 (a scalar tail), with and without a window; and two tokens of 8 heads."""
+    shapes = [(0, 1), (16, 1), (299, 1), (63, 1), (128, 1), (40, 2)]
+    args = make_step(shapes, nh, kvh, hd, dtype, seed=hd + nh)
+    ops._C.set_cpu_isa(isa)
+    try:
+        for window in (None, 50):
+            got = ops.paged_attention(*args, 0.11, window)
+            assert_close_to_reference(got, kernel_reference(*args, 0.11, window), dtype)
+    finally:
+        ops._C.set_cpu_isa("auto")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 def test_kernel_long_context(isa):
     """3000 keys (12 key tiles: the online softmax's rescaling) under 200 queries (several
     column tiles), with and without a window that spans tiles; a decode at 3000."""
@@ -362,6 +340,40 @@ def test_kernel_threads_and_q_views():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_writes_the_steps_kv_first(dtype):
+    """With k, v and slot_mapping the op first writes the step's K/V at those slots (cast to the
+    pool's dtype, bitwise what index_copy_ of k.to(dtype) writes), then attends over them: the
+    result is bitwise the read-only call on the pool written by torch. k, v are views into one
+    fp32 qkv tensor (row stride > kvh * hd), as in the model."""
+    shapes = [(176, 28), (99, 1), (0, 5)]
+    q, k_cache, v_cache, tables, lens, qsl = make_step(shapes, 9, 3, 64, dtype, seed=4)
+    T, block = q.shape[0], k_cache.shape[1]  # noqa: N806
+    qkv = torch.randn(T, 15 * 64)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(T, 3, 64), qkv[:, 12 * 64 :].view(T, 3, 64)
+    slots = torch.tensor([int(tables[s, p // block]) * block + p % block
+                          for s, (c, n) in enumerate(shapes) for p in range(c, c + n)])
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want.view(-1, 3, 64).index_copy_(0, slots, k.to(dtype))
+    v_want.view(-1, 3, 64).index_copy_(0, slots, v.to(dtype))
+    want = ops.paged_attention(q, k_want, v_want, tables, lens, qsl, 0.125, None)
+    got = ops.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.125, None, k=k, v=v,
+                              slot_mapping=slots)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    assert torch.equal(got, want)
+    bad = slots.clone()
+    bad[-1] = k_cache.shape[0] * block
+    with pytest.raises(ValueError, match=rf"slot_mapping\[{T - 1}\] is .* outside the pool"):
+        ops.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.125, None, k=k, v=v,
+                            slot_mapping=bad)
+    with pytest.raises(ValueError, match="k, v and slot_mapping together"):
+        ops.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.125, None, k=k, v=v)
+    with pytest.raises(ValueError, match="k and v must be"):
+        ops.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.125, None, k=k[:, :2],
+                            v=v, slot_mapping=slots)
 
 
 @needs_kernel

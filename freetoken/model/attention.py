@@ -6,9 +6,8 @@ multi-token, goes through one call per layer (ops.paged_attention, csrc/paged_at
 K/V read in place from the pool, causal, GQA, sliding window; its inputs are built once per
 forward (KernelArgs). Everything else, and the reference for that kernel in tests, is torch: the
 context is gathered from the pool block by block into a dense tensor, then SDPA, in padded
-groups, one call per group and layer: every decode sequence (one query token) in one group (on
-the CPU extension without paged_attention, e.g. a stale build: ops.paged_decode_attention, which
-reads in place too); the sequences with several query tokens (prefill, chunked prefill, a prompt
+groups, one call per group and layer: every decode sequence (one query token) in one group; the
+sequences with several query tokens (prefill, chunked prefill, a prompt
 behind a cached prefix) in another, unless padding them to the longest would more than double the
 work, in which case each goes alone. A prompt alone with no cached context is causal over its
 fresh K/V, with no gather.
@@ -148,7 +147,7 @@ def build_attention_metadata(
             query_start_loc=torch.tensor(qsl, **long),
             window=sliding_window,
         )
-        return AttentionMetadata(batch.slot_mapping, [], [], kernel)
+        return AttentionMetadata(batch.slot_mapping.to(torch.long).contiguous(), [], [], kernel)
 
     def make(members):
         return _make_group(members, batch, block_tables, block_size, sliding_window, dtype)
@@ -195,6 +194,12 @@ def paged_attention(
     itself runs on every thread.
     """
     num_tokens, num_heads, head_dim = q.shape
+    if meta.kernel is not None:
+        # every sequence, K/V written and then read in place (csrc/paged_attention_cpu.cpp)
+        kn = meta.kernel
+        return ops.paged_attention(q, k_cache, v_cache, kn.block_tables, kn.seq_lens,
+                                   kn.query_start_loc, scale, kn.window, k=k, v=v,
+                                   slot_mapping=meta.slot_mapping)  # [T, nh, hd]
     with elementwise():
         num_kv_heads = k_cache.shape[-2]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [NB*bs, kvh, hd]
@@ -202,15 +207,9 @@ def paged_attention(
         # NOTE: index_copy_ over flat slots, not advanced indexing: ~3x faster on CPU.
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-    if meta.kernel is not None:
-        # every sequence, K/V read in place (csrc/paged_attention_cpu.cpp); all threads
-        kn = meta.kernel
-        return ops.paged_attention(q, k_cache, v_cache, kn.block_tables, kn.seq_lens,
-                                   kn.query_start_loc, scale, kn.window)  # [T, nh, hd]
 
     everything = slice(0, num_tokens)
     outputs = []  # (rows of T: a slice or an index tensor, [rows, nh, hd])
-    decode_kernel = ops.paged_decode_available(q.device)
     for g in meta.groups:
         S, Q = g.num_seqs, g.num_q  # noqa: N806
         with elementwise():
@@ -218,13 +217,6 @@ def paged_attention(
                 qg = q[g.rows_start : g.rows_start + S * Q]
             else:
                 qg = q.index_select(0, g.q_rows)
-        if Q == 1 and decode_kernel:
-            # K/V read in place from the pool: no gather (csrc/attention_cpu.cpp)
-            og = ops.paged_decode_attention(qg, k_cache, v_cache, g.block_table, g.seq_lens,
-                                            scale, g.window)  # [S, nh, hd]
-            rows = everything if g.out_rows is None else g.out_rows
-            outputs.append((rows, og))
-            continue
         with elementwise():
             qg = qg.view(S, Q, num_heads, head_dim).transpose(1, 2)  # [S, nh, Q, hd]
             kg = _gather_context(k_cache, g, q.dtype)  # [S, kvh, L, hd]

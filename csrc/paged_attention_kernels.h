@@ -1,0 +1,265 @@
+// The micro-kernels of csrc/paged_attention_cpu.cpp: vectors of L floats (GCC vector
+// extensions), the exp of the softmax, the two register-blocked products of a key tile
+// (S^T = K Q^T and O += P V) and, per ISA, their loops as out-of-line functions.
+// Included by paged_attention_cpu.cpp only; everything inlines into the ISA-targeted callers.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_target.h"
+
+namespace freetoken {
+namespace paged_attention_kernels {
+
+template <int L>
+struct Vec {
+  typedef float f __attribute__((vector_size(4 * L)));
+  typedef int32_t i __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+FT_INLINE typename Vec<L>::f loadu(const float* p) {
+  typename Vec<L>::f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int L>
+FT_INLINE void storeu(float* p, typename Vec<L>::f v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <int L>
+FT_INLINE typename Vec<L>::f splat(float x) {
+  return typename Vec<L>::f{} + x;
+}
+
+// Keeps a loaded vector in a register (GCC otherwise folds the load into every FMA using it).
+template <typename T>
+FT_INLINE T in_register(T v) {
+#if defined(__GNUC__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+// exp(x) for x <= 0 or -inf, L lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
+// Taylor polynomial (< 2e-7 relative), times 2^n from the exponent bits; n is rounded with the
+// 1.5 * 2^23 trick (SSE2 has no round instruction). Exactly 0 below -87.3 (masked keys too).
+template <int L>
+FT_INLINE typename Vec<L>::f exp_nonpositive(typename Vec<L>::f x) {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  const vf lo = splat<L>(-87.3f);
+  const vi dead = x < lo;
+  const vf xc = dead ? lo : x;
+  const vf magic = splat<L>(12582912.f);
+  const vf n = (xc * 1.44269504089f + magic) - magic;
+  const vf r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  vf p = splat<L>(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return dead ? vf{} : p * two_n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two micro-kernels. cw: S^T's row stride (the padded column count).
+
+// S^T[m, j*L ..] = sum_d K[m, d] Q^T[d, j*L ..] for MR keys and NP vectors of columns.
+template <int L, int MR, int NP>
+FT_INLINE void qk_block(const float* const* krow, const float* qt, int64_t cw, int64_t hd,
+                        float* s) {
+  using vf = typename Vec<L>::f;
+  const float* k[MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) k[m] = krow[m];
+  vf acc[MR][NP];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) acc[m][j] = vf{};
+  for (int64_t d = 0; d < hd; ++d) {
+    vf qv[NP];
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) qv[j] = in_register(loadu<L>(qt + d * cw + j * L));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const float kb = k[m][d];
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) acc[m][j] += qv[j] * kb;
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) storeu<L>(s + m * cw + j * L, acc[m][j]);
+}
+
+// mr (1..MR) keys, np (1..NP) column vectors: one instantiation per pair.
+template <int L, int MR, int NP>
+FT_INLINE void qk_any(int mr, int np, const float* const* krow, const float* qt, int64_t cw,
+                      int64_t hd, float* s) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return qk_any<L, MR - 1, NP>(mr, np, krow, qt, cw, hd, s);
+  }
+  if constexpr (NP > 1) {
+    if (np < NP) return qk_any<L, MR, NP - 1>(mr, np, krow, qt, cw, hd, s);
+  }
+  qk_block<L, MR, NP>(krow, qt, cw, hd, s);
+}
+
+// O[c, voff + v*L ..] = alpha[c] O[c, ..] + sum_p P[p, c] V[p, voff + v*L ..] for MC columns
+// and VC vectors of the head dimension; o's row stride is hd.
+template <int L, int MC, int VC>
+FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const float* p,
+                        int64_t cw, const float* alpha, float* o, int64_t hd) {
+  using vf = typename Vec<L>::f;
+  vf acc[MC][VC];
+#pragma GCC unroll 16
+  for (int m = 0; m < MC; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) acc[m][v] = loadu<L>(o + m * hd + voff + v * L) * alpha[m];
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = vrow[j] + voff;
+    vf vv[VC];
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) vv[v] = in_register(loadu<L>(vr + v * L));
+#pragma GCC unroll 16
+    for (int m = 0; m < MC; ++m) {
+      const float pb = p[j * cw + m];
+#pragma GCC unroll 16
+      for (int v = 0; v < VC; ++v) acc[m][v] += vv[v] * pb;
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MC; ++m)
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) storeu<L>(o + m * hd + voff + v * L, acc[m][v]);
+}
+
+template <int L, int MC, int VC>
+FT_INLINE void pv_any(int mc, int vc, const float* const* vrow, int64_t n, int64_t voff,
+                      const float* p, int64_t cw, const float* alpha, float* o, int64_t hd) {
+  if constexpr (MC > 1) {
+    if (mc < MC) return pv_any<L, MC - 1, VC>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
+  }
+  if constexpr (VC > 1) {
+    if (vc < VC) return pv_any<L, MC, VC - 1>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
+  }
+  pv_block<L, MC, VC>(vrow, n, voff, p, cw, alpha, o, hd);
+}
+
+
+// A task's scratch, sized by the caller (std:: code stays out of the ISA bodies).
+struct Scratch {
+  float* qt;     // [hd, cw]
+  float* s;      // [kKeyTile, cw]
+  float* o;      // [cols, hd]
+  float* m;      // [cw] running max
+  float* l;      // [cw] running sum
+  float* alpha;  // [cw] this tile's rescale of O
+  const float** krow;  // [kKeyTile]
+  const float** vrow;
+  float* kw;  // [kKeyTile, hd] widened K / V rows (non-fp32 pools)
+  float* vw;
+};
+
+// Register blocks. QK: MR keys x NP vectors of LC columns; PV: MC columns x VC vectors of L
+// floats of the head dimension. AVX-512 has 32 vector registers, AVX2 and SSE2 16.
+template <int LC, int MR, int NP>
+struct QkShape {
+  static constexpr int kLC = LC, kMR = MR, kNP = NP;
+};
+template <int L, int MC, int VC>
+struct PvShape {
+  static constexpr int kL = L, kMC = MC, kVC = VC;
+};
+
+// S^T[j, c0 ..] for keys [0, n) and vectors [v0, v1) of QK::kLC columns starting at column c0.
+template <class QK>
+FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, int64_t cw,
+                        int64_t hd) {
+  constexpr int LC = QK::kLC;
+  for (int64_t v0 = 0; v0 < nvec; v0 += QK::kNP) {
+    const int np = static_cast<int>(std::min<int64_t>(QK::kNP, nvec - v0));
+    const int64_t col = c0 + v0 * LC;
+    for (int64_t j = 0; j < n; j += QK::kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(QK::kMR, n - j));
+      qk_any<LC, QK::kMR, QK::kNP>(mr, np, w.krow + j, w.qt + col, cw, hd, w.s + j * cw + col);
+    }
+  }
+}
+
+// O = alpha O + P V over columns [0, nc) (PV::kMC at a time), each group only over the keys
+// its last column can see: keys_seen(c) = min(n, keys visible to column c); a head_dim tail
+// (hd % L) in scalar code.
+template <class PV>
+FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int64_t hd,
+                        int64_t seen0, int64_t col0, int64_t G) {
+  constexpr int L = PV::kL;
+  const int64_t full = hd / L;
+  for (int64_t c = 0; c < nc; c += PV::kMC) {
+    const int mc = static_cast<int>(std::min<int64_t>(PV::kMC, nc - c));
+    const int64_t keys = std::min(n, seen0 + (col0 + c + mc - 1) / G);
+    for (int64_t v = 0; v < full; v += PV::kVC) {
+      const int vc = static_cast<int>(std::min<int64_t>(PV::kVC, full - v));
+      pv_any<L, PV::kMC, PV::kVC>(mc, vc, w.vrow, keys, v * L, w.s + c, cw, w.alpha + c,
+                                  w.o + c * hd, hd);
+    }
+    for (int64_t d = full * L; d < hd; ++d)
+      for (int m = 0; m < mc; ++m) {
+        float acc = w.o[(c + m) * hd + d] * w.alpha[c + m];
+        for (int64_t j = 0; j < keys; ++j) acc += w.s[j * cw + c + m] * w.vrow[j][d];
+        w.o[(c + m) * hd + d] = acc;
+      }
+  }
+}
+
+// One ISA's micro-kernel loops as out-of-line functions: inlined into run_task, GCC ran out of
+// registers and kept the key pointers on the stack (the narrow shapes ran ~2x slower).
+// QK: the column vectors; QKT: a narrower shape for a last vector that is at most QKT::kLC
+// full (the narrower FMAs cost half on Zen 4 / Intel's 2 x 256-bit units), or QK itself.
+template <class QK_, class QKT_, class PV_>
+struct Shapes {
+  using QK = QK_;
+  using QKT = QKT_;
+  using PV = PV_;
+  static constexpr int kL = PV::kL, kLC = QK::kLC, kNP = QK::kNP, kTailLC = QKT::kLC;
+};
+#define FT_ATTENTION_KERNELS(NAME, TARGET, ...)                                                   \
+  struct NAME : __VA_ARGS__ {                                                                     \
+    TARGET __attribute__((noinline)) static void qk(const Scratch& w, int64_t n, int64_t c0,      \
+                                                    int64_t nvec, int64_t cw, int64_t hd) {       \
+      qk_range<typename NAME::QK>(w, n, c0, nvec, cw, hd);                                        \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void qk_tail(const Scratch& w, int64_t n,             \
+                                                         int64_t c0, int64_t cw, int64_t hd) {    \
+      qk_range<typename NAME::QKT>(w, n, c0, 1, cw, hd);                                          \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void pv(const Scratch& w, int64_t n, int64_t nc,      \
+                                                    int64_t cw, int64_t hd, int64_t seen0,        \
+                                                    int64_t col0, int64_t G) {                    \
+      pv_range<typename NAME::PV>(w, n, nc, cw, hd, seen0, col0, G);                              \
+    }                                                                                             \
+  };
+
+// Per ISA: 16 columns per vector for wide tasks, 8 for tasks of at most 8 columns (decode:
+// one token x G heads). AVX-512 has 32 vector registers, AVX2 and SSE2 16.
+FT_ATTENTION_KERNELS(Avx512Wide, FT_TARGET_AVX512,
+                     Shapes<QkShape<16, 6, 4>, QkShape<8, 6, 1>, PvShape<16, 6, 4>>)
+FT_ATTENTION_KERNELS(Avx512Narrow, FT_TARGET_AVX512,
+                     Shapes<QkShape<8, 6, 2>, QkShape<4, 6, 1>, PvShape<16, 6, 4>>)
+FT_ATTENTION_KERNELS(Avx2Kernels, FT_TARGET_AVX2,
+                     Shapes<QkShape<8, 3, 3>, QkShape<4, 3, 3>, PvShape<8, 3, 3>>)
+FT_ATTENTION_KERNELS(BaseKernels, , Shapes<QkShape<4, 3, 3>, QkShape<4, 3, 3>, PvShape<4, 3, 3>>)
+#undef FT_ATTENTION_KERNELS
+
+}  // namespace paged_attention_kernels
+}  // namespace freetoken
