@@ -12,7 +12,7 @@
 //
 // ISA: every kernel is compiled three times (AVX-512, AVX2+FMA, baseline) from one auto-vectorized
 // body, and the variant follows freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), as the
-// top-k kernel does. Unlike target_clones (attention_cpu.cpp), the tests can then run all three on
+// top-k kernel does. Unlike target_clones, the tests can then run all three on
 // one machine. No -march: the wheel runs on any x86-64.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>

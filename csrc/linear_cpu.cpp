@@ -78,7 +78,7 @@ struct Args {
 
 // One panel row's L weights as fp32: a load, and for bf16 the exact widening (bits << 16).
 template <int L>
-FT_INLINE typename Vec<L>::type load_w(const float* p) {
+FT_INLINE typename Vec<L>::f load_w(const float* p) {
   return loadu<L>(p);
 }
 template <int L>
@@ -87,12 +87,12 @@ struct VecBits {
   typedef uint32_t full __attribute__((vector_size(4 * L)));
 };
 template <int L>
-FT_INLINE typename Vec<L>::type load_w(const uint16_t* p) {
+FT_INLINE typename Vec<L>::f load_w(const uint16_t* p) {
   typename VecBits<L>::half h;
   std::memcpy(&h, p, sizeof h);
   const typename VecBits<L>::full w =
       __builtin_convertvector(h, typename VecBits<L>::full) << 16;
-  typename Vec<L>::type v;
+  typename Vec<L>::f v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
@@ -100,7 +100,7 @@ FT_INLINE typename Vec<L>::type load_w(const uint16_t* p) {
 // Rows [r0, r0 + MR) of y, panels [p0, p1): the micro-kernel, L = floats per vector.
 template <int L, int MR, bool PF, typename WT>
 FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
-  using vf = typename Vec<L>::type;
+  using vf = typename Vec<L>::f;
   constexpr int V = kNR / L;  // vectors per panel row
   constexpr int KU = panel::partial_sums(MR * V);  // k unroll
   const int64_t K = a.K;

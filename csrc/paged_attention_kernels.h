@@ -9,39 +9,16 @@
 #include <cstring>
 
 #include "cpu_target.h"
+#include "cpu_vec.h"
 
 namespace freetoken {
 namespace paged_attention_kernels {
 
-template <int L>
-struct Vec {
-  typedef float f __attribute__((vector_size(4 * L)));
-  typedef int32_t i __attribute__((vector_size(4 * L)));
-};
-
-template <int L>
-FT_INLINE typename Vec<L>::f loadu(const float* p) {
-  typename Vec<L>::f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <int L>
-FT_INLINE void storeu(float* p, typename Vec<L>::f v) {
-  std::memcpy(p, &v, sizeof v);
-}
-template <int L>
-FT_INLINE typename Vec<L>::f splat(float x) {
-  return typename Vec<L>::f{} + x;
-}
-
-// Keeps a loaded vector in a register (GCC otherwise folds the load into every FMA using it).
-template <typename T>
-FT_INLINE T in_register(T v) {
-#if defined(__GNUC__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
+using vec::in_register;
+using vec::loadu;
+using vec::splat;
+using vec::storeu;
+using vec::Vec;
 
 // exp(x) for x <= 0 or -inf, L lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
 // Taylor polynomial (< 2e-7 relative), times 2^n from the exponent bits; n is rounded with the

@@ -14,6 +14,7 @@
 #endif
 
 #include "cpu_target.h"
+#include "cpu_vec.h"
 
 namespace freetoken {
 namespace panel {
@@ -63,27 +64,9 @@ int64_t panel_bytes(Format format, int64_t K);
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y);
 
-template <int L>
-struct Vec {
-  typedef float type __attribute__((vector_size(4 * L)));
-};
-
-template <int L>
-FT_INLINE typename Vec<L>::type loadu(const float* p) {
-  typename Vec<L>::type v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// NOTE: without this GCC folds a weight vector's load into every FMA that uses it (MR loads of
-// the same line instead of one); that halved the L2-hot rate at M = 2 (38 -> 65 GB/s here).
-template <typename T>
-FT_INLINE T in_register(T v) {
-#if defined(__GNUC__)
-  asm("" : "+x"(v));
-#endif
-  return v;
-}
+using vec::in_register;
+using vec::loadu;
+using vec::Vec;
 
 // A micro-kernel's accumulators, acc[KU partial sums][MR rows][V vectors of L floats], zeroed.
 template <typename VF, int KU, int MR, int V>

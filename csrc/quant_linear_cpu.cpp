@@ -61,21 +61,16 @@ struct Args {
   int64_t M, N, K;
 };
 
-// NOTE: the blocks are read as 32-bit lanes only: GCC 12 scalarizes a widening
-// __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics cannot
-// serve the three ISA variants of one template.
-template <int L>
-struct Lanes {
-  typedef uint32_t u32 __attribute__((vector_size(4 * L)));
-  typedef int32_t i32 __attribute__((vector_size(4 * L)));
-};
 
 // Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
 template <int L, int MR, Format F>
 FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
-  using vf = typename Vec<L>::type;
-  using vu = typename Lanes<L>::u32;
-  using vi = typename Lanes<L>::i32;
+  using vf = typename Vec<L>::f;
+  // NOTE: the blocks are read as 32-bit lanes only: GCC 12 scalarizes a widening
+  // __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics
+  // cannot serve the three ISA variants of one template.
+  using vu = typename Vec<L>::u;
+  using vi = typename Vec<L>::i;
   constexpr int V = kNR / L;
   constexpr int KU = panel::partial_sums(MR * V);  // k unroll
   constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
