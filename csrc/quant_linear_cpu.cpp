@@ -62,6 +62,22 @@ struct Args {
 };
 
 
+// float(w & 15) in each lane. On 16 lanes it is one vpermps from the table 0..15, which reads
+// only an index's low 4 bits: no mask and no convert (__builtin_shuffle takes its indices
+// modulo the lane count).
+template <int L>
+FT_INLINE typename Vec<L>::f nibble(typename Vec<L>::u w) {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  if constexpr (L == 16) {
+    const vf table = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f,
+                      8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f};
+    return __builtin_shuffle(table, vi(w));
+  } else {
+    return __builtin_convertvector(vi(w & 15u), vf);
+  }
+}
+
 // Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
 template <int L, int MR, Format F>
 FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
@@ -102,8 +118,7 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
             vf w[V];
 #pragma GCC unroll 64
             for (int v = 0; v < V; ++v)
-              w[v] = in_register(
-                  __builtin_convertvector(vi((words[v] >> (4 * t)) & 15u), vf) * d[v] + mn[v]);
+              w[v] = in_register(nibble<L>(words[v] >> (4 * t)) * d[v] + mn[v]);
 #pragma GCC unroll 64
             for (int m = 0; m < MR; ++m) {
               const float xs = xb[k * MR + m];
