@@ -4,6 +4,7 @@
 the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 python3 scripts/bench_step.py [--profile]
+    FREETOKEN_LINEAR=panels ...  # fp32 panels only: no GGUF blocks for the few-row steps
     FREETOKEN_LINEAR=onednn ...  # oneDNN packed weights instead of the panel kernel (fp32)
     FREETOKEN_LINEAR=torch ...   # MKL F.linear
     FREETOKEN_OPS=torch ...      # every freetoken._C kernel off: the torch twins (decode
