@@ -16,6 +16,7 @@ struct Vec {
   typedef float f __attribute__((vector_size(4 * L)));
   typedef int32_t i __attribute__((vector_size(4 * L)));
   typedef uint32_t u __attribute__((vector_size(4 * L)));
+  typedef uint16_t h __attribute__((vector_size(2 * L)));
 };
 
 template <int L>

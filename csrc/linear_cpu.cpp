@@ -82,16 +82,10 @@ FT_INLINE typename Vec<L>::f load_w(const float* p) {
   return loadu<L>(p);
 }
 template <int L>
-struct VecBits {
-  typedef uint16_t half __attribute__((vector_size(2 * L)));
-  typedef uint32_t full __attribute__((vector_size(4 * L)));
-};
-template <int L>
 FT_INLINE typename Vec<L>::f load_w(const uint16_t* p) {
-  typename VecBits<L>::half h;
+  typename Vec<L>::h h;
   std::memcpy(&h, p, sizeof h);
-  const typename VecBits<L>::full w =
-      __builtin_convertvector(h, typename VecBits<L>::full) << 16;
+  const typename Vec<L>::u w = __builtin_convertvector(h, typename Vec<L>::u) << 16;
   typename Vec<L>::f v;
   std::memcpy(&v, &w, sizeof v);
   return v;

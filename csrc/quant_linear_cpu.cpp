@@ -78,6 +78,22 @@ FT_INLINE typename Vec<L>::f nibble(typename Vec<L>::u w) {
   }
 }
 
+// Row t of a group of packed words as fp32 weights (module comment: the layout). Q4_1: the
+// nibble at bits 4 t, times d, plus m. Q8_0: the byte at bits 8 t moved to the top, then an
+// arithmetic shift down, times d.
+template <int L, Format F>
+FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename Vec<L>::f d,
+                                        typename Vec<L>::f m) {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  if constexpr (F == panel::kQ4_1) {
+    return nibble<L>(word >> (4 * t)) * d + m;
+  } else {
+    (void)m;
+    return __builtin_convertvector(vi(word << (24 - 8 * t)) >> 24, vf) * d;
+  }
+}
+
 // Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
 template <int L, int MR, Format F>
 FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
@@ -86,10 +102,12 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   // __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics
   // cannot serve the three ISA variants of one template.
   using vu = typename Vec<L>::u;
-  using vi = typename Vec<L>::i;
   constexpr int V = kNR / L;
   constexpr int KU = panel::partial_sums(MR * V);  // k unroll
-  constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  constexpr bool kQ41 = F == panel::kQ4_1;
+  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
+  constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
   const int64_t K = a.K, nb = K / 32;
   const float* x = a.x + r0 * K;
   for (int64_t p = p0; p < p1; ++p) {
@@ -99,55 +117,30 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
     for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
       const float* xb = x + b * 32 * MR;
       const float* dp = reinterpret_cast<const float*>(blk);
-      vf d[V];
+      vf d[V], mn[V];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) d[v] = loadu<L>(dp + v * L);
-      if constexpr (F == panel::kQ4_1) {
-        vf mn[V];
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) mn[v] = loadu<L>(dp + kNR + v * L);
-        const uint8_t* q = blk + 2 * kNR * 4;
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {  // rows 8 g .. 8 g + 7: a nibble each in every word
-          vu words[V];
-#pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+      for (int v = 0; v < V; ++v) {
+        d[v] = loadu<L>(dp + v * L);
+        mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+      }
+      const uint8_t* q = blk + kScales * kNR * 4;
 #pragma GCC unroll 8
-          for (int t = 0; t < 8; ++t) {
-            const int k = 8 * g + t;
-            vf w[V];
+      for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+        vu words[V];
 #pragma GCC unroll 64
-            for (int v = 0; v < V; ++v)
-              w[v] = in_register(nibble<L>(words[v] >> (4 * t)) * d[v] + mn[v]);
-#pragma GCC unroll 64
-            for (int m = 0; m < MR; ++m) {
-              const float xs = xb[k * MR + m];
-#pragma GCC unroll 64
-              for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
-            }
-          }
-        }
-      } else {
-        const uint8_t* q = blk + kNR * 4;
+        for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
-        for (int g = 0; g < 8; ++g) {  // rows 4 g .. 4 g + 3: a byte each in every word
-          vu words[V];
+        for (int t = 0; t < kRows; ++t) {
+          const int k = kRows * g + t;
+          vf w[V];
 #pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
-#pragma GCC unroll 4
-          for (int t = 0; t < 4; ++t) {
-            const int k = 4 * g + t;
-            vf w[V];
+          for (int v = 0; v < V; ++v)
+            w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
 #pragma GCC unroll 64
-            for (int v = 0; v < V; ++v)  // the byte to the top, then an arithmetic shift down
-              w[v] = in_register(
-                  __builtin_convertvector(vi(words[v] << (24 - 8 * t)) >> 24, vf) * d[v]);
+          for (int m = 0; m < MR; ++m) {
+            const float xs = xb[k * MR + m];
 #pragma GCC unroll 64
-            for (int m = 0; m < MR; ++m) {
-              const float xs = xb[k * MR + m];
-#pragma GCC unroll 64
-              for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
-            }
+            for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
           }
         }
       }
