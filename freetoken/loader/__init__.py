@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
+from freetoken.model.linear import gguf_blocks_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ def load_model(
         reader.fields.clear()
         weights = read_weights(reader, config, progress=progress)
         # fp32 on the CPU keeps the Q4_1 / Q8_0 blocks too, for steps of few rows (exact).
-        blocks = read_blocks(reader, config) if dtype == torch.float32 \
-            and torch.device(device).type == "cpu" else None
+        blocks = read_blocks(reader, config) if gguf_blocks_wanted(dtype, device) else None
         del reader
         files = [path]
     elif path.is_dir():

@@ -82,10 +82,16 @@ def panels_available(weight: torch.Tensor) -> bool:
     return _mode() in ("auto", "panels") and ops.panel_linear_available(weight)
 
 
+def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True when a weight of `dtype` on `device` takes its GGUF blocks as the few-rows form here
+    (fp32 on the CPU extension, FREETOKEN_LINEAR=auto); the loader reads the blocks only then."""
+    return _mode() == "auto" and dtype == torch.float32 \
+        and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
+
+
 def gguf_panels_available(weight: torch.Tensor) -> bool:
-    """True when an fp32 `weight` can take its GGUF blocks as the few-rows form here."""
-    return _mode() == "auto" and weight.dtype == torch.float32 \
-        and ops.panel_linear_available(weight)
+    """True when `weight` can take its GGUF blocks as the few-rows form here."""
+    return gguf_blocks_wanted(weight.dtype, weight.device)
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
