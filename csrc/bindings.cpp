@@ -1,6 +1,7 @@
 // freetoken._C: the Python surface. freetoken/ops.py is its only importer.
 #include <torch/extension.h>
 
+#include "decoder_layer_cpu.h"
 #include "linear_cpu.h"
 #include "ops.h"
 #include "ops_torch.h"
@@ -77,6 +78,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("blocks"), py::arg("type"), py::arg("K"));
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
+  py::class_<freetoken::DecoderLayerCpu>(
+      m, "DecoderLayer",
+      "CPU: one Llama decoder layer (norms, panel projections, RoPE, paged attention, SwiGLU) "
+      "in one call")
+      .def(py::init<at::Tensor, at::Tensor, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("weights"),
+           py::arg("few_rows"), py::arg("biases"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
+           py::arg("eps"), py::arg("scale"), py::arg("window"), py::arg("few_rows_max"))
+      .def("serves", &freetoken::DecoderLayerCpu::serves, py::arg("rows"))
+      .def("forward", &freetoken::DecoderLayerCpu::forward, py::arg("x"), py::arg("residual"),
+           py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
+           py::arg("slot_mapping"));
   m.def("panel_linear", &freetoken::panel_linear_cpu,
         "CPU: x [M, K] fp32 @ W^T (+ bias [N]) over packed panels -> [M, N]", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());

@@ -10,7 +10,8 @@ the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
     FREETOKEN_OPS=torch ...      # every freetoken._C kernel off: the torch twins (decode
                                  # attention by gather + SDPA, unfused norms/RoPE/SiLU, no panels)
 
---profile adds torch.profiler's op table for the classify and decode steps.
+--profile adds torch.profiler's op table for the classify and decode steps; --unfused runs each
+decoder layer's Python path instead of its one C++ call (ops.decoder_layer), for A/B runs.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--unfused", action="store_true", help="decoder layers in Python")
     args = ap.parse_args()
     print("loading SmolLM2 ...", file=sys.stderr)
     lm = load_model(dtype=getattr(torch, args.dtype), load_tokenizer=False, progress=False)
     m, vocab = lm.model, lm.config.vocab_size
+    if args.unfused:
+        for layer in m.layers:
+            layer.fused = None
     kv = m.make_kv_cache(256, BS)
     g = torch.Generator().manual_seed(0)
 
@@ -84,7 +89,9 @@ def main() -> int:
                   file=sys.stderr)
     print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(),
                       "linear": os.environ.get("FREETOKEN_LINEAR", "auto"),
-                      "ops": os.environ.get("FREETOKEN_OPS", "auto"), "steps": out,
+                      "ops": os.environ.get("FREETOKEN_OPS", "auto"),
+                      "fused_layers": sum(layer.fused is not None for layer in m.layers),
+                      "steps": out,
                       "loadavg": os.getloadavg()}))
     return 0
 

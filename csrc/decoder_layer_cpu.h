@@ -1,0 +1,49 @@
+// One decoder layer of the Llama forward in one call on the CPU (decoder_layer_cpu.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+namespace freetoken {
+
+class DecoderLayerCpu {
+ public:
+  // weights, few_rows, biases: 4 each, for qkv, o, gate_up, down (None: absent). weights are
+  // the main panel forms (None where the main form is not panels, e.g. bf16 oneDNN), few_rows
+  // the forms for steps of at most few_rows_max rows. window: the sliding window, 0 = none.
+  DecoderLayerCpu(at::Tensor input_norm, at::Tensor post_norm,
+                  std::vector<c10::optional<at::Tensor>> weights,
+                  std::vector<c10::optional<at::Tensor>> few_rows,
+                  std::vector<c10::optional<at::Tensor>> biases, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+                  double scale, int64_t window, int64_t few_rows_max);
+
+  // True when every projection has a panel form for a step of `rows` rows.
+  bool serves(int64_t rows) const;
+
+  // x [T, H]: the previous layer's MLP output (the embeddings at layer 0, residual None);
+  // residual [T, H]: the stream before it, updated in place. -> (this layer's MLP output,
+  // the residual stream). K/V of the step are written into the pools at slot_mapping.
+  std::tuple<at::Tensor, at::Tensor> forward(
+      const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
+      const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+      const at::Tensor& query_start_loc, const at::Tensor& slot_mapping) const;
+
+ private:
+  struct Projection {
+    at::Tensor main, few_rows, bias;  // undefined: absent
+  };
+  const at::Tensor* form(int i, int64_t rows) const;
+  at::Tensor project(int i, const at::Tensor& x) const;
+
+  at::Tensor input_norm_, post_norm_;
+  Projection proj_[4];
+  int64_t nh_, kvh_, hd_, inter_;
+  double eps_, scale_;
+  int64_t window_, few_rows_max_;
+};
+
+}  // namespace freetoken
