@@ -1,6 +1,7 @@
 // The micro-kernels of csrc/paged_attention_cpu.cpp: vectors of L floats (GCC vector
 // extensions), the exp of the softmax, the two register-blocked products of a key tile
-// (S^T = K Q^T and O += P V) and, per ISA, their loops as out-of-line functions.
+// (S^T = K Q^T and O += P V), decode's dot-product S = Q K^T (qk_dot_*), the prefetch of the
+// rows and, per ISA, their loops as out-of-line functions.
 // Included by paged_attention_cpu.cpp only; everything inlines into the ISA-targeted callers.
 #pragma once
 
@@ -93,10 +94,11 @@ FT_INLINE void qk_any(int mr, int np, const float* const* krow, const float* qt,
 }
 
 // O[c, voff + v*L ..] = alpha[c] O[c, ..] + sum_p P[p, c] V[p, voff + v*L ..] for MC columns
-// and VC vectors of the head dimension; o's row stride is hd.
-template <int L, int MC, int VC>
+// and VC vectors of the head dimension; o's row stride is hd. P[p, c] is p[p * ps + c], or
+// with kColMajor (the decode path's scores, keys along a column) p[c * ps + p].
+template <int L, int MC, int VC, bool kColMajor>
 FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const float* p,
-                        int64_t cw, const float* alpha, float* o, int64_t hd) {
+                        int64_t ps, const float* alpha, float* o, int64_t hd) {
   using vf = typename Vec<L>::f;
   vf acc[MC][VC];
 #pragma GCC unroll 16
@@ -110,7 +112,7 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) vv[v] = in_register(loadu<L>(vr + v * L));
 #pragma GCC unroll 16
     for (int m = 0; m < MC; ++m) {
-      const float pb = p[j * cw + m];
+      const float pb = kColMajor ? p[m * ps + j] : p[j * ps + m];
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) acc[m][v] += vv[v] * pb;
     }
@@ -121,23 +123,104 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) storeu<L>(o + m * hd + voff + v * L, acc[m][v]);
 }
 
-template <int L, int MC, int VC>
+template <int L, int MC, int VC, bool kColMajor>
 FT_INLINE void pv_any(int mc, int vc, const float* const* vrow, int64_t n, int64_t voff,
-                      const float* p, int64_t cw, const float* alpha, float* o, int64_t hd) {
+                      const float* p, int64_t ps, const float* alpha, float* o, int64_t hd) {
   if constexpr (MC > 1) {
-    if (mc < MC) return pv_any<L, MC - 1, VC>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
+    if (mc < MC)
+      return pv_any<L, MC - 1, VC, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
   if constexpr (VC > 1) {
-    if (vc < VC) return pv_any<L, MC, VC - 1>(mc, vc, vrow, n, voff, p, cw, alpha, o, hd);
+    if (vc < VC)
+      return pv_any<L, MC, VC - 1, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
-  pv_block<L, MC, VC>(vrow, n, voff, p, cw, alpha, o, hd);
+  pv_block<L, MC, VC, kColMajor>(vrow, n, voff, p, ps, alpha, o, hd);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: S [cols, keys] = Q K^T as dot products, for tasks of one query token (a few columns:
+// the G heads of one kv head). Each K row is read as hd / L vectors and multiplied into every
+// column's q (cols x hd / L FMAs per key, all lanes used), and the per-key partial-sum vectors
+// are reduced across lanes L keys at a time by fold (a transpose-add tree: one vector then holds
+// L scores). The broadcast form above would use 3 of 4 lanes at G = 3 and one FMA per d.
+
+// Two vectors of `keys` partial sums each (key i in lanes [i * seg, (i + 1) * seg), seg =
+// L / keys) -> one of 2 * keys partial sums, a's keys first, each over seg / 2 lanes.
+template <int L, int KEYS>
+FT_INLINE typename Vec<L>::f fold(typename Vec<L>::f a, typename Vec<L>::f b) {
+  using vi = typename Vec<L>::i;
+  constexpr int seg = L / KEYS, half = seg / 2;
+  static_assert(half >= 1, "fold: a vector holds at most L keys");
+  vi lo, hi;
+  for (int i = 0; i < L; ++i) {
+    const int u = i / half;  // the output's key
+    lo[i] = (u >= KEYS ? L : 0) + (u % KEYS) * seg + i % half;
+    hi[i] = lo[i] + half;
+  }
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// The first r (< L) floats of p, the other lanes 0 (a head_dim tail; no read past p + r).
+template <int L>
+FT_INLINE typename Vec<L>::f load_part(const float* p, int64_t r) {
+  typename Vec<L>::f x{};
+  for (int64_t i = 0; i < r; ++i) x[i] = p[i];
+  return x;
+}
+
+// out[c] = the scores of keys krow[0 .. KEYS) for CG columns (q: [CG, qs], zero past hd), key i
+// in lanes [i * L / KEYS, ..) (summed over them at KEYS = L).
+template <int L, int CG, int KEYS>
+FT_INLINE void qk_dot_keys(const float* const* krow, const float* q, int64_t qs, int64_t hd,
+                           typename Vec<L>::f* out) {
+  using vf = typename Vec<L>::f;
+  if constexpr (KEYS == 4) {
+    const float* k[4] = {krow[0], krow[1], krow[2], krow[3]};
+    vf acc[4][CG];
+#pragma GCC unroll 16
+    for (int m = 0; m < 4; ++m)
+#pragma GCC unroll 16
+      for (int c = 0; c < CG; ++c) acc[m][c] = vf{};
+    const int64_t full = hd / L * L;
+    for (int64_t d = 0; d < full; d += L) {
+      vf kv[4];
+#pragma GCC unroll 16
+      for (int m = 0; m < 4; ++m) kv[m] = in_register(loadu<L>(k[m] + d));
+#pragma GCC unroll 16
+      for (int c = 0; c < CG; ++c) {
+        const vf qv = loadu<L>(q + c * qs + d);
+#pragma GCC unroll 16
+        for (int m = 0; m < 4; ++m) acc[m][c] += kv[m] * qv;
+      }
+    }
+    if (full < hd) {
+      vf kv[4];
+#pragma GCC unroll 16
+      for (int m = 0; m < 4; ++m) kv[m] = load_part<L>(k[m] + full, hd - full);
+#pragma GCC unroll 16
+      for (int c = 0; c < CG; ++c) {
+        const vf qv = loadu<L>(q + c * qs + full);
+#pragma GCC unroll 16
+        for (int m = 0; m < 4; ++m) acc[m][c] += kv[m] * qv;
+      }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < CG; ++c)
+      out[c] = fold<L, 2>(fold<L, 1>(acc[0][c], acc[1][c]), fold<L, 1>(acc[2][c], acc[3][c]));
+  } else {
+    vf a[CG], b[CG];
+    qk_dot_keys<L, CG, KEYS / 2>(krow, q, qs, hd, a);
+    qk_dot_keys<L, CG, KEYS / 2>(krow + KEYS / 2, q, qs, hd, b);
+#pragma GCC unroll 16
+    for (int c = 0; c < CG; ++c) out[c] = fold<L, KEYS / 2>(a[c], b[c]);
+  }
 }
 
 
 // A task's scratch, sized by the caller (std:: code stays out of the ISA bodies).
 struct Scratch {
-  float* qt;     // [hd, cw]
-  float* s;      // [kKeyTile, cw]
+  float* qt;     // [hd, cw]; decode: q [cols, hd rounded up to 16]
+  float* s;      // [kKeyTile, cw]; decode: [cols, kKeyTile]
   float* o;      // [cols, hd]
   float* m;      // [cw] running max
   float* l;      // [cw] running sum
@@ -159,7 +242,28 @@ struct PvShape {
   static constexpr int kL = L, kMC = MC, kVC = VC;
 };
 
+// Keys whose K and V rows are requested ahead of the QK product reaching them.
+constexpr int64_t kPrefetchKeys = 32;
+
+// Asks for the K and V rows of keys [a, b) into L2 (K is read next, V after the softmax).
+// NOTE: a head's rows in the pool are hd-float runs at the stride of all kv heads, in blocks
+// scattered over the pool, which the hardware prefetchers do not follow: a decode task (every
+// key read once) waited on DRAM for ~3/4 of its time. Into L1 (prefetcht0) the requests held
+// the L1's few miss buffers and helped ~10-25%; into L2 (prefetcht1), kPrefetchKeys = 16..64,
+// one thread at context 201 ran 290-370 -> 200-240 us per layer, two threads 180 -> 120-140.
+FT_INLINE void prefetch_rows(const Scratch& w, int64_t a, int64_t b, int64_t hd) {
+  for (int64_t j = a; j < b; ++j) {
+    const uintptr_t k = reinterpret_cast<uintptr_t>(w.krow[j]);
+    const uintptr_t v = reinterpret_cast<uintptr_t>(w.vrow[j]);
+    for (uintptr_t off = 0; off < static_cast<uintptr_t>(hd) * 4 + (k & 63); off += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>((k & ~uintptr_t{63}) + off), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const void*>((v & ~uintptr_t{63}) + off), 0, 2);
+    }
+  }
+}
+
 // S^T[j, c0 ..] for keys [0, n) and vectors [v0, v1) of QK::kLC columns starting at column c0.
+// The first pass over the keys requests the rows kPrefetchKeys ahead.
 template <class QK>
 FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, int64_t cw,
                         int64_t hd) {
@@ -169,16 +273,49 @@ FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, i
     const int64_t col = c0 + v0 * LC;
     for (int64_t j = 0; j < n; j += QK::kMR) {
       const int mr = static_cast<int>(std::min<int64_t>(QK::kMR, n - j));
+      if (v0 == 0 && j + kPrefetchKeys < n)
+        prefetch_rows(w, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + mr), hd);
       qk_any<LC, QK::kMR, QK::kNP>(mr, np, w.krow + j, w.qt + col, cw, hd, w.s + j * cw + col);
     }
   }
 }
 
+// Decode: S[c0 + c, j] (row stride ss) for cg (1..4) columns from q rows c0 .. (stride qs) and
+// keys [0, n_pad) (n_pad a multiple of L, the rows past n repeat row n - 1); with prefetch, asks
+// for the rows of keys < n kPrefetchKeys ahead.
+template <int L, int CG>
+FT_INLINE void qk_dot_cols(const Scratch& w, int64_t n, int64_t n_pad, const float* q, int64_t qs,
+                           int64_t hd, float* s, int64_t ss, bool prefetch) {
+  using vf = typename Vec<L>::f;
+  for (int64_t j = 0; j < n_pad; j += L) {
+    if (prefetch && j + kPrefetchKeys < n)
+      prefetch_rows(w, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + L), hd);
+    vf out[CG];
+    qk_dot_keys<L, CG, L>(w.krow + j, q, qs, hd, out);
+#pragma GCC unroll 16
+    for (int c = 0; c < CG; ++c) storeu<L>(s + c * ss + j, out[c]);
+  }
+}
+
+template <int L>
+FT_INLINE void qk_dot_range(const Scratch& w, int64_t n, int64_t n_pad, int64_t c0, int64_t cg,
+                            int64_t qs, int64_t hd, int64_t ss) {
+  const float* q = w.qt + c0 * qs;
+  float* s = w.s + c0 * ss;
+  const bool pf = c0 == 0;
+  switch (cg) {
+    case 1: return qk_dot_cols<L, 1>(w, n, n_pad, q, qs, hd, s, ss, pf);
+    case 2: return qk_dot_cols<L, 2>(w, n, n_pad, q, qs, hd, s, ss, pf);
+    case 3: return qk_dot_cols<L, 3>(w, n, n_pad, q, qs, hd, s, ss, pf);
+    default: return qk_dot_cols<L, 4>(w, n, n_pad, q, qs, hd, s, ss, pf);
+  }
+}
+
 // O = alpha O + P V over columns [0, nc) (PV::kMC at a time), each group only over the keys
 // its last column can see: keys_seen(c) = min(n, keys visible to column c); a head_dim tail
-// (hd % L) in scalar code.
-template <class PV>
-FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int64_t hd,
+// (hd % L) in scalar code. P as in pv_block, at stride ps.
+template <class PV, bool kColMajor>
+FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t ps, int64_t hd,
                         int64_t seen0, int64_t col0, int64_t G) {
   constexpr int L = PV::kL;
   const int64_t full = hd / L;
@@ -187,13 +324,15 @@ FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int
     const int64_t keys = std::min(n, seen0 + (col0 + c + mc - 1) / G);
     for (int64_t v = 0; v < full; v += PV::kVC) {
       const int vc = static_cast<int>(std::min<int64_t>(PV::kVC, full - v));
-      pv_any<L, PV::kMC, PV::kVC>(mc, vc, w.vrow, keys, v * L, w.s + c, cw, w.alpha + c,
-                                  w.o + c * hd, hd);
+      pv_any<L, PV::kMC, PV::kVC, kColMajor>(mc, vc, w.vrow, keys, v * L,
+                                             w.s + (kColMajor ? c * ps : c), ps, w.alpha + c,
+                                             w.o + c * hd, hd);
     }
     for (int64_t d = full * L; d < hd; ++d)
       for (int m = 0; m < mc; ++m) {
         float acc = w.o[(c + m) * hd + d] * w.alpha[c + m];
-        for (int64_t j = 0; j < keys; ++j) acc += w.s[j * cw + c + m] * w.vrow[j][d];
+        for (int64_t j = 0; j < keys; ++j)
+          acc += w.s[kColMajor ? (c + m) * ps + j : j * ps + c + m] * w.vrow[j][d];
         w.o[(c + m) * hd + d] = acc;
       }
   }
@@ -223,7 +362,16 @@ struct Shapes {
     TARGET __attribute__((noinline)) static void pv(const Scratch& w, int64_t n, int64_t nc,      \
                                                     int64_t cw, int64_t hd, int64_t seen0,        \
                                                     int64_t col0, int64_t G) {                    \
-      pv_range<typename NAME::PV>(w, n, nc, cw, hd, seen0, col0, G);                              \
+      pv_range<typename NAME::PV, false>(w, n, nc, cw, hd, seen0, col0, G);                       \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void qk_dot(const Scratch& w, int64_t n,              \
+                                                        int64_t n_pad, int64_t c0, int64_t cg,    \
+                                                        int64_t qs, int64_t hd, int64_t ss) {     \
+      qk_dot_range<NAME::kL>(w, n, n_pad, c0, cg, qs, hd, ss);                                    \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void pv_cols(const Scratch& w, int64_t n, int64_t nc, \
+                                                         int64_t ss, int64_t hd) {                \
+      pv_range<typename NAME::PV, true>(w, n, nc, ss, hd, n, 0, 1);                               \
     }                                                                                             \
   };
 

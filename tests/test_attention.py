@@ -279,6 +279,28 @@ def test_kernel_decodes(isa, dtype, nh, kvh, hd):
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("hd", [37, 40, 64])
+def test_kernel_decode_dot_products(isa, dtype, group, hd):
+    """The decode path (tasks of one token and at most 8 columns: S by dot products, 16 / 8 / 4
+    keys reduced across lanes at once, columns in chunks of at most 4): groups 1 to 8 (5 and 8
+    in two chunks), head_dim 37 (a tail on every ISA), 40 (a tail on AVX-512), 64; contexts
+    around the vector width (keys padded to it) and past one key tile (256), windows of 1, 20
+    and 270 (across the tile boundary)."""
+    shapes = [(0, 1), (1, 1), (14, 1), (15, 1), (16, 1), (62, 1), (256, 1), (299, 1)]
+    args = make_step(shapes, 2 * group, 2, hd, dtype, seed=group * 100 + hd)
+    ops._C.set_cpu_isa(isa)
+    try:
+        for window in (None, 1, 20, 270):
+            got = ops.paged_attention(*args, hd**-0.5, window)
+            assert_close_to_reference(got, kernel_reference(*args, hd**-0.5, window), dtype)
+    finally:
+        ops._C.set_cpu_isa("auto")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 def test_kernel_long_context(isa):
     """3000 keys (12 key tiles: the online softmax's rescaling) under 200 queries (several
     column tiles), with and without a window that spans tiles; a decode at 3000."""
