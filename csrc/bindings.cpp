@@ -35,12 +35,18 @@ bool cuda_compiled() {
 #endif
 }
 
+// NOTE: the calls that compute (a decoder layer, a linear, attention, top-k) release the GIL, so
+// the server's event loop can write its responses while the engine thread is in a kernel;
+// holding it, every SSE chunk waited for the step's next Python bytecode.
+const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, CPU paged "
             "attention and fused elementwise ops";
   m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
+        kNoGil,
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
         py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none());
@@ -49,7 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::arg("ids"), py::arg("values"), py::arg("B"), py::arg("V"));
   m.def("paged_attention", &freetoken::paged_attention_cpu,
         "CPU: causal attention of each sequence's query tokens over its paged K/V, read in "
-        "place (after writing k, v at slot_mapping, if given) -> [T, nh, hd]", py::arg("q"),
+        "place (after writing k, v at slot_mapping, if given) -> [T, nh, hd]", kNoGil,
+        py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("window"),
         py::arg("k") = py::none(), py::arg("v") = py::none(),
@@ -90,11 +97,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
            py::arg("eps"), py::arg("scale"), py::arg("window"), py::arg("few_rows_max"))
       .def("serves", &freetoken::DecoderLayerCpu::serves, py::arg("rows"))
-      .def("forward", &freetoken::DecoderLayerCpu::forward, py::arg("x"), py::arg("residual"),
+      .def("forward", &freetoken::DecoderLayerCpu::forward, kNoGil, py::arg("x"),
+           py::arg("residual"),
            py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
            py::arg("slot_mapping"));
   m.def("panel_linear", &freetoken::panel_linear_cpu,
-        "CPU: x [M, K] fp32 @ W^T (+ bias [N]) over packed panels -> [M, N]", py::arg("x"),
+        "CPU: x [M, K] fp32 @ W^T (+ bias [N]) over packed panels -> [M, N]", kNoGil,
+        py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
 }

@@ -42,4 +42,11 @@ def build_model(
         f"; for steps of <= {FEW_ROWS} rows freetoken._C panels of {'/'.join(sorted(few))}"
         + (" (GGUF blocks dequantized exactly in registers)" if few - {"bf16 panels"} else "")
         if few else "")
+    fused = [layer.fused for layer in model.layers if layer.fused is not None]
+    if fused:
+        rows = "every step" if fused[0].serves(1 << 30) else f"steps of <= {FEW_ROWS} rows"
+        logger.info("decoder layers: %d of %d as one freetoken._C call each (ops.decoder_layer) "
+                    "for %s", len(fused), len(model.layers), rows)
+    else:
+        logger.info("decoder layers: the Python forward (no fused layer here)")
     return model.eval()
