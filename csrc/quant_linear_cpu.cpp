@@ -18,7 +18,7 @@
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
 // shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
 //
-// Micro-kernel: as the fp32 panels': MR rows of x (transposed chunks), MR x 16 accumulators, KU
+// Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators, KU
 // interleaved partial sums for small MR; per block row the dequantized vector is shared by the
 // MR FMAs. Threads: panel ranges over the TaskPool, small calls on the caller.
 #include <torch/extension.h>
@@ -54,7 +54,7 @@ constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk
 constexpr double kSplitNs = 20e3;
 
 struct Args {
-  const float* x;     // row chunks of x, each [K, mr]
+  const float* x;     // [M, K], rows contiguous (read in place: no transposed copy)
   const uint8_t* w;   // panels
   const float* bias;  // [N] or null
   float* y;           // [M, N]
@@ -109,13 +109,14 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
   constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
   const int64_t K = a.K, nb = K / 32;
-  const float* x = a.x + r0 * K;
+  const float* xr[MR];  // the chunk's rows
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * K;
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* blk = a.w + p * nb * kBlock;
     vf acc[KU][MR][V];
     panel::zero(acc);
     for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
-      const float* xb = x + b * 32 * MR;
       const float* dp = reinterpret_cast<const float*>(blk);
       vf d[V], mn[V];
 #pragma GCC unroll 64
@@ -138,7 +139,7 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
             w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
 #pragma GCC unroll 64
           for (int m = 0; m < MR; ++m) {
-            const float xs = xb[k * MR + m];
+            const float xs = xr[m][b * 32 + k];
 #pragma GCC unroll 64
             for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
           }
@@ -272,14 +273,10 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
                        const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0);
   const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>() : pick_kernel<kQ8_0>();
-  at::Tensor xt;  // one row is its own [K, 1] chunk: no copy
-  const float* xp = x.data_ptr<float>();
-  if (M > 1) {
-    xt = at::empty({M * h.K}, x.options());
-    transpose_chunks(xp, M, h.K, kern.mr_max, xt.data_ptr<float>());
-    xp = xt.data_ptr<float>();
-  }
-  Args a{xp, packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K};
+  // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
+  // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
+  // could start, per call; the broadcasts hit L1 either way.
+  Args a{x.data_ptr<float>(), packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K};
   // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
   // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
   const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);
