@@ -89,11 +89,6 @@ def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
         and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
 
 
-def gguf_panels_available(weight: torch.Tensor) -> bool:
-    """True when `weight` can take its GGUF blocks as the few-rows form here."""
-    return gguf_blocks_wanted(weight.dtype, weight.device)
-
-
 def _onednn_available(weight: torch.Tensor) -> bool:
     return (
         _mode() != "torch"
@@ -125,7 +120,7 @@ def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> tor
     """The second form, for steps of at most FEW_ROWS rows: the GGUF blocks of an fp32 weight
     (`blocks`: the same values, so the same results), or panels of a bf16 weight whose main form
     is oneDNN; None where the main form serves every row count."""
-    if blocks is not None and gguf_panels_available(weight):
+    if blocks is not None and gguf_blocks_wanted(weight.dtype, weight.device):
         if tuple(blocks.rows.shape[:1]) + (blocks.in_features,) != tuple(weight.shape):
             raise ValueError(f"GGUF blocks of shape [{blocks.rows.shape[0]}, "
                              f"{blocks.in_features}] for a weight {tuple(weight.shape)}")
