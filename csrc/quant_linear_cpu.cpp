@@ -48,6 +48,11 @@ namespace {
 constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
+// NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
+// every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
+// waiting on them (SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole decode
+// step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike; prefetcht0 = nta here).
+constexpr int64_t kPrefetchBytes = 1536;
 // NOTE: dequantizing makes these calls compute bound, so unlike the fp32 panels (bound by DRAM,
 // which one core nearly saturates) they scale with threads; with the pool's helpers polling
 // between calls a split costs ~2 us, and only calls estimated under this stay on the caller.
@@ -117,6 +122,8 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
     vf acc[KU][MR][V];
     panel::zero(acc);
     for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(blk + kPrefetchBytes + l, 0, 3);
       const float* dp = reinterpret_cast<const float*>(blk);
       vf d[V], mn[V];
 #pragma GCC unroll 64
