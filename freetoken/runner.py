@@ -48,7 +48,7 @@ class Runner:
         sample_at: list[int] = []           # index into logits_idx, or -1
         pl_plan: list[tuple[int, list[int], int, int]] = []  # (item idx, cached slots, li0, li1)
         max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        block_tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
+        block_rows: list[list[int]] = []
         for i, item in enumerate(out.scheduled):
             seq = item.seq
             start, end = item.start, item.start + item.num_new_tokens
@@ -58,8 +58,7 @@ class Runner:
             slots.extend(self._slots(seq.block_table, start, end))
             qsl.append(len(input_ids))
             seq_lens.append(end)
-            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table,
-                                                                  dtype=torch.int32)
+            block_rows.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
             if item.pl_end > item.pl_start:
                 cached = self._slots(seq.block_table, item.pl_start, min(start, item.pl_end))
                 li0 = len(logits_idx)
@@ -77,7 +76,8 @@ class Runner:
 
         batch = ForwardBatch(input_ids=long(input_ids), positions=long(positions),
                              slot_mapping=long(slots), query_start_loc=qsl, seq_lens=seq_lens,
-                             block_tables=block_tables.to(self.device),
+                             block_tables=torch.tensor(block_rows, dtype=torch.int32).to(
+                                 self.device),
                              logits_indices=long(logits_idx))
         return batch, sample_at, pl_plan
 
@@ -133,8 +133,10 @@ class Runner:
                                   seq.num_prompt_tokens, suppress))
             where.append(i)
         if rows:
-            idx = torch.tensor([sample_at[i] for i in where], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))    # [B, V] fp32
+            picked = [sample_at[i] for i in where]
+            if picked != list(range(hidden.shape[0])):  # a decode step samples every row
+                hidden = hidden.index_select(0, torch.tensor(picked, device=self.device))
+            logits = self.model.compute_logits(hidden)                         # [B, V] fp32
             for i, (token, lp) in zip(where, self.sampler.sample(logits, rows)):
                 results[i].token_id = token
                 results[i].logprob = lp

@@ -185,6 +185,25 @@ def test_tiny_llama_forward_contract(tiny_checkpoint):
     assert logits.shape == (10, loaded.config.vocab_size) and logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_computing_them(tiny_checkpoint, dtype):
+    """rope() reads cos/sin rows from a table that grows with the positions asked for (llama3
+    scaling here): bit for bit what computing them for the step's positions gives."""
+    from freetoken.loader import load_model
+
+    model = load_model(tiny_checkpoint("llama")[0], load_tokenizer=False, progress=False).model
+    g = torch.Generator().manual_seed(0)
+    for num_positions, T in [(10, 3), (300, 17), (5000, 64), (40, 1)]:
+        positions = torch.randint(0, num_positions, (T,), generator=g)
+        positions[0] = num_positions - 1
+        freqs = positions.float()[:, None] * model.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = model.rope(positions, dtype, num_positions)
+        assert cos.shape == sin.shape == (T, 1, emb.shape[1]) and cos.dtype == dtype
+        assert torch.equal(cos, emb.cos().to(dtype)[:, None, :])
+        assert torch.equal(sin, emb.sin().to(dtype)[:, None, :])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_matches_cpu(tiny_checkpoint):

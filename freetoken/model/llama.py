@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU)
         self.lm_head_few_rows: torch.Tensor | None = None  # and its bf16 panels (pack_few_rows)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # rope()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -236,18 +237,28 @@ class LlamaForCausalLM(nn.Module):
             return int(self.embed_tokens.weight.shape[0])
         return self.lm_head.out_features
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions: [T] int64 -> cos, sin: [T, 1, hd] in `dtype` (computed in fp32, as HF does)
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
+        """positions: [T] int64, all < num_positions -> cos, sin: [T, 1, hd] in `dtype`: rows of
+        a table computed in fp32 as HF does (a position's values do not depend on the batch).
+        NOTE: one index_select each, not the six small ops of computing them: each distinct op
+        costs ~45 us on a decode step here, its code cold after the layers' weight streams."""
+        key = (dtype, self.inv_freq.device)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < num_positions:
+            n = max(num_positions, 2 * (0 if table is None else table[0].shape[0]), 256)
+            inv_freq = self.inv_freq.float()
+            freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
+            table = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+            self._rope_tables[key] = table
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         elementwise = elementwise_threads(batch.num_tokens, self.config.hidden_size)
         with elementwise():  # NOTE: on 2 threads these few small ops cost ~0.3 ms a step
             x = self.embed_tokens(batch.input_ids)  # [T, H]
-            cos, sin = self.rope(batch.positions, x.dtype)
+            cos, sin = self.rope(batch.positions, x.dtype, max(batch.seq_lens))
         meta = build_attention_metadata(
             batch, kv.block_size, self.config.sliding_window, dtype=x.dtype
         )
@@ -258,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
             x, _ = self.norm(x, residual)  # [T, H]
             # index_copy_, not advanced indexing: 3 us against 50 here
             kv.hidden.index_copy_(0, batch.slot_mapping, x.to(kv.hidden.dtype))
-            return x[batch.logits_indices]  # [N, H]
+            return x.index_select(0, batch.logits_indices)  # [N, H]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
