@@ -25,6 +25,7 @@
 
 #include "cpu_target.h"
 #include "ops_torch.h"
+#include "task_pool.h"
 
 // NOTE: the kernel sections (everything above the torch glue) use -fno-trapping-math. Results are
 // unchanged (it only lets GCC assume that fp ops raise no traps); without it GCC turns exp's
@@ -299,15 +300,13 @@ struct RopeVariants {
 namespace freetoken {
 namespace {
 
-// NOTE: an OpenMP region costs a thread wake-up (~40 us under OMP_WAIT_POLICY=PASSIVE), more
-// than a whole op on a decode step; below this many input elements the op runs on the caller.
-constexpr int64_t kInlineMaxElements = int64_t{1} << 20;
-constexpr int64_t kChunkElements = int64_t{1} << 16;  // the least work per thread above it
-
-int64_t grain_for(int64_t rows, int64_t row_elements) {
-  if (rows * row_elements <= kInlineMaxElements) return rows;
-  return std::max<int64_t>(1, kChunkElements / std::max<int64_t>(1, row_elements));
-}
+// NOTE: these ops run on the kernels' TaskPool (csrc/task_pool.h), whose helpers poll between
+// the calls of a forward: a split costs ~2 us there against ~40 us for waking OpenMP's workers
+// under OMP_WAIT_POLICY=PASSIVE. Below this many input elements an op stays on the caller (a
+// decode step's rows); above it the rows go in equal ranges to every thread (a classify step's
+// 224 rows: its norms and RoPE took ~250 us a layer on one thread).
+constexpr int64_t kSplitElements = int64_t{1} << 15;
+constexpr int64_t kTasksPerThread = 2;
 
 enum class Isa { kAvx512, kAvx2, kBase };
 
@@ -332,8 +331,10 @@ void run_rows(const typename V::Args& a, int64_t rows, int64_t row_elements) {
     default:
       break;
   }
-  at::parallel_for(0, rows, grain_for(rows, row_elements),
-                   [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+  const int nthreads = rows * row_elements < kSplitElements ? 1 : at::get_num_threads();
+  const int64_t n = std::min<int64_t>(rows, nthreads * kTasksPerThread);
+  if (n <= 1) return fn(a, 0, rows);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) { fn(a, rows * t / n, rows * (t + 1) / n); });
 }
 
 
