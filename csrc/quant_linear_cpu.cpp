@@ -283,7 +283,8 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.
-  Args a{x.data_ptr<float>(), packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K};
+  Args a{x.data_ptr<float>(), packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(),
+         M, h.N, h.K};
   // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
   // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
   const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);

@@ -244,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
         costs ~45 us on a decode step here, its code cold after the layers' weight streams."""
         key = (dtype, self.inv_freq.device)
         table = self._rope_tables.get(key)
-        if table is None or table[0].shape[0] < num_positions:
-            n = max(num_positions, 2 * (0 if table is None else table[0].shape[0]), 256)
+        have = 0 if table is None else table[0].shape[0]
+        if have < num_positions:
+            n = max(num_positions, 2 * have, 256)  # doubling: a few rebuilds per server
             inv_freq = self.inv_freq.float()
             freqs = torch.arange(n, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
