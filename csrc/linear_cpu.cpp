@@ -66,6 +66,11 @@ constexpr int64_t kBlockBytes = 256 << 10;  // panels walked per row chunk when 
 // prefetcher already keeps up when the FMAs per line are few).
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int kPrefetchMinRows = 6;
+// NOTE: x is transposed into row chunks before the FMAs (module comment). On the classify step
+// (8 x 28 rows) the scalar transpose on the caller, while the helper waited, cost 4-9 % of the
+// forward (in-process A/B); a call with at least this many elements of x splits its chunks over
+// the pool.
+constexpr int64_t kTransposeSplitElements = int64_t{1} << 15;
 
 template <typename WT>
 struct Args {
@@ -159,7 +164,74 @@ FT_INLINE void run(const Args<WT>& a, int64_t p0, int64_t p1) {
   }
 }
 
+// One stage of an L x L register transpose: in every pair of vectors (i, i + S), i without bit
+// S, the lanes with bit S set in t[i] trade places with the lanes without it in t[i + S]. The
+// stages S = L / 2 .. 1 together turn t[m][k] into t[k][m].
+template <int L, int S>
+FT_INLINE void transpose_stage(typename Vec<L>::f (&t)[L]) {
+  using vi = typename Vec<L>::i;
+  vi lo, hi;
+#pragma GCC unroll 16
+  for (int j = 0; j < L; ++j) {
+    lo[j] = (j & S) ? L + j - S : j;
+    hi[j] = (j & S) ? L + j : j + S;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) {
+    if (i & S) continue;
+    const auto a = t[i], b = t[i + S];
+    t[i] = __builtin_shuffle(a, b, lo);
+    t[i + S] = __builtin_shuffle(a, b, hi);
+  }
+  if constexpr (S > 1) transpose_stage<L, S / 2>(t);
+}
+
+// Chunk c of `chunks` (module comment: rows cut into equal chunks, each [K, mr] at offset
+// r0 * K of xt): fp32 rows by L x L register transposes, L k at a time. A k's L lanes are
+// stored whole where they stay inside the chunk: the lanes past mr are overwritten by the next
+// k's stores, which come after.
+template <int L>
+FT_INLINE void transpose_chunk(const float* x, int64_t M, int64_t K, int64_t c, int64_t chunks,
+                               float* xt) {
+  using vf = typename Vec<L>::f;
+  const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
+  const float* rows = x + r0 * K;
+  float* o = xt + r0 * K;
+  int64_t k0 = 0;
+  for (; k0 + L <= K; k0 += L) {
+    vf t[L];
+#pragma GCC unroll 16
+    for (int m = 0; m < L; ++m) t[m] = loadu<L>(rows + std::min<int64_t>(m, mr - 1) * K + k0);
+    transpose_stage<L, L / 2>(t);
+#pragma GCC unroll 16
+    for (int j = 0; j < L; ++j) {
+      float* dst = o + (k0 + j) * mr;
+      if ((k0 + j) * mr + L <= K * mr) {
+        std::memcpy(dst, &t[j], sizeof(vf));
+      } else {
+        for (int64_t m = 0; m < mr; ++m) dst[m] = t[j][m];
+      }
+    }
+  }
+  for (; k0 < K; ++k0)
+    for (int64_t m = 0; m < mr; ++m) o[k0 * mr + m] = rows[m * K + k0];
+}
+
+// bf16 rows are widened one by one (exact), L k of every row at a time.
+template <int L>
+FT_INLINE void transpose_chunk(const c10::BFloat16* x, int64_t M, int64_t K, int64_t c,
+                               int64_t chunks, float* xt) {
+  const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
+  float* o = xt + r0 * K;
+  for (int64_t k0 = 0; k0 < K; k0 += L)
+    for (int64_t m = 0; m < mr; ++m) {
+      const c10::BFloat16* row = x + (r0 + m) * K;
+      for (int64_t k = k0; k < std::min(K, k0 + L); ++k) o[k * mr + m] = static_cast<float>(row[k]);
+    }
+}
+
 // Registers: AVX-512 has 32 of one panel row each; AVX2 16 of half a row; SSE2 16 of a quarter.
+// The transposes' chunks (<= MRMAX rows) fit a vector's L lanes on each.
 template <typename WT>
 FT_TARGET_AVX512 void run_avx512(const Args<WT>& a, int64_t p0, int64_t p1) {
   run<16, 16>(a, p0, p1);
@@ -172,19 +244,34 @@ template <typename WT>
 void run_base(const Args<WT>& a, int64_t p0, int64_t p1) {
   run<4, 2>(a, p0, p1);
 }
+template <typename XT>
+FT_TARGET_AVX512 void transpose_avx512(const XT* x, int64_t M, int64_t K, int64_t c,
+                                       int64_t chunks, float* xt) {
+  transpose_chunk<16>(x, M, K, c, chunks, xt);
+}
+template <typename XT>
+FT_TARGET_AVX2 void transpose_avx2(const XT* x, int64_t M, int64_t K, int64_t c, int64_t chunks,
+                                   float* xt) {
+  transpose_chunk<8>(x, M, K, c, chunks, xt);
+}
+template <typename XT>
+void transpose_base(const XT* x, int64_t M, int64_t K, int64_t c, int64_t chunks, float* xt) {
+  transpose_chunk<4>(x, M, K, c, chunks, xt);
+}
 
-template <typename WT>
+template <typename WT, typename XT>
 struct Kernel {
   void (*run)(const Args<WT>&, int64_t, int64_t);
+  void (*transpose)(const XT*, int64_t, int64_t, int64_t, int64_t, float*);
   int64_t mr_max;  // the MRMAX it was instantiated with: x's chunks must match
 };
 
-template <typename WT>
-Kernel<WT> pick_kernel() {
+template <typename WT, typename XT>
+Kernel<WT, XT> pick_kernel() {
   const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (name == "avx512") return {&run_avx512<WT>, 16};
-  if (name == "avx2") return {&run_avx2<WT>, 6};
-  return {&run_base<WT>, 2};
+  if (name == "avx512") return {&run_avx512<WT>, &transpose_avx512<XT>, 16};
+  if (name == "avx2") return {&run_avx2<WT>, &transpose_avx2<XT>, 6};
+  return {&run_base<WT>, &transpose_base<XT>, 2};
 }
 
 }  // namespace
@@ -288,12 +375,16 @@ template <typename WT, typename XT>
 void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const panel::Header& h,
                        const float* b, at::Tensor& y) {
   const int64_t M = x.size(0);
-  const Kernel<WT> kern = pick_kernel<WT>();
+  const Kernel<WT, XT> kern = pick_kernel<WT, XT>();
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   const float* xp = nullptr;
   if (M > 1 || !std::is_same_v<XT, float>) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
-    panel::transpose_chunks(x.data_ptr<XT>(), M, h.K, kern.mr_max, xt.data_ptr<float>());
+    const int64_t chunks = (M + kern.mr_max - 1) / kern.mr_max;
+    const int tthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
+    TaskPool::get().run(chunks, tthreads, [&](int64_t c) {
+      kern.transpose(x.data_ptr<XT>(), M, h.K, c, chunks, xt.data_ptr<float>());
+    });
     xp = xt.data_ptr<float>();
   } else {
     xp = reinterpret_cast<const float*>(x.data_ptr<XT>());

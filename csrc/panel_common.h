@@ -1,6 +1,6 @@
 // What the two panel linears share (csrc/linear_cpu.cpp: fp32 / bf16 weights;
 // csrc/quant_linear_cpu.cpp: GGUF Q4_1 / Q8_0 blocks): the packed tensor's header, the vector
-// types of their micro-kernels, x's transposed row chunks, the huge-page advice.
+// types of their micro-kernels, the huge-page advice.
 #pragma once
 
 #include <torch/extension.h>
@@ -107,24 +107,6 @@ FT_INLINE void store_sums(VF (&acc)[KU][MR][V], float* y, int64_t N, int64_t n0,
     for (int m = 0; m < MR; ++m)
       for (int64_t j = 0; j < nv; ++j)
         y[m * N + j] = acc[0][m][j / L][j % L] + (bias ? bias[n0 + j] : 0.f);
-  }
-}
-
-FT_INLINE float to_float(float v) { return v; }
-FT_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
-// x [M, K] -> the row chunks the kernels walk, each [K, mr] at offset r0 * K (M * K floats):
-// M rows cut into ceil(M / mr_max) equal chunks, transposed so a k's broadcasts share a line.
-template <typename XT>
-void transpose_chunks(const XT* x, int64_t M, int64_t K, int64_t mr_max, float* out) {
-  const int64_t chunks = (M + mr_max - 1) / mr_max;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t r0 = M * c / chunks, mr = M * (c + 1) / chunks - r0;
-    float* o = out + r0 * K;
-    for (int64_t m = 0; m < mr; ++m) {
-      const XT* row = x + (r0 + m) * K;
-      for (int64_t k = 0; k < K; ++k) o[k * mr + m] = to_float(row[k]);
-    }
   }
 }
 

@@ -80,9 +80,10 @@ def test_lm_head_shape():
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 8192, 1536), (8, 3072, 576), (224, 3072, 576),
-                                   (37, 1000, 333)])
+                                   (37, 1000, 333), (57, 200, 1000)])
 def test_two_threads_equal_one(M, N, K):
-    """The helper threads take whole panels, so the split changes no sum: bitwise equal."""
+    """The helper threads take whole panels (and whole row chunks of x's transpose: 57 x 1000
+    splits it, uneven chunks, a K tail), so the split changes no sum: bitwise equal."""
     x, w, b = _case(M, N, K, bias=True)
     p = ops.pack_panels(w)
     one = ops.panel_linear(x, p, b)
