@@ -1,5 +1,6 @@
 """scripts/bench_serve.py: its workload builders and stats math, and one tiny run of a few
-requests against a real `python -m freetoken` subprocess on a free loopback port."""
+requests against a real `python -m freetoken` subprocess on a free loopback port; the bound
+ratios of scripts/compare_peers.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_serve as bs  # noqa: E402
+import compare_peers as cp  # noqa: E402
 
 
 def test_classify_workload_shape():
@@ -67,6 +69,34 @@ def test_payloads_per_flavor():
     assert pd["stream_options"] == {"include_usage": True} and "model" not in pd
     assert "cache_prompt" not in pd  # FreeToken answers unknown fields with a 400
     assert bs.payload(d, "llama-server", None, stream=True)["cache_prompt"] is True
+
+
+def test_bound_ratios_use_the_machine_measured_before_each_rep():
+    """compare_peers: a rep's bound is its machine's GEMM peak / GFLOP per request (classify) or
+    streams x bandwidth / fp32 bytes per step (decode); the ratio is the median of the reps'
+    value / bound; only FreeToken fp32's records of that workload count."""
+    bounds = {"classify": {"gflop_per_request": 10.0},
+              "decode": {"weight_bytes_per_step": {"fp32": 800e6}}}
+    recs = [
+        {"system": "freetoken-fp32", "workload": "classify", "requests_per_s": 30.0,
+         "machine": {"gemm_gflops": 600.0, "read_gb_s": 40.0}},    # bound 60 -> 0.5
+        {"system": "freetoken-fp32", "workload": "classify", "requests_per_s": 40.0,
+         "machine": {"gemm_gflops": 300.0, "read_gb_s": 40.0}},    # bound 30 -> 1.33
+        {"system": "freetoken-fp32", "workload": "classify", "requests_per_s": 36.0,
+         "machine": {"gemm_gflops": 450.0, "read_gb_s": 10.0}},    # bound 45 -> 0.8
+        {"system": "llama-server", "workload": "classify", "requests_per_s": 9.0,
+         "machine": {"gemm_gflops": 1.0, "read_gb_s": 1.0}},
+        {"system": "freetoken-fp32", "workload": "decode", "output_tokens_per_s": 400.0,
+         "machine": {"gemm_gflops": 1.0, "read_gb_s": 25.0}},      # 8 x 25e9 / 800e6 = 250
+    ]
+    ratio, reps = cp.rep_bound_ratios(recs, bounds, "classify", "requests_per_s")
+    assert reps == pytest.approx([60.0, 30.0, 45.0])
+    assert ratio == pytest.approx(0.8)
+    ratio, reps = cp.rep_bound_ratios(recs, bounds, "decode", "output_tokens_per_s", 8)
+    assert reps == pytest.approx([250.0]) and ratio == pytest.approx(1.6)
+    ratio, reps = cp.rep_bound_ratios(recs, bounds, "decode", "output_tokens_per_s", 1)
+    assert ratio == pytest.approx(12.8)
+    assert cp.rep_bound_ratios(recs, bounds, "decode-1", "output_tokens_per_s") is None
 
 
 def test_percentile_matches_numpy_linear():
