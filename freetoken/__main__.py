@@ -308,11 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         len(api_keys),
         ",".join(split_list(args.allowed_origins)) or "off",
     )
+    loop, http = _event_loop_and_http()
+    log.info("http: uvicorn on %s:%d, event loop %s, HTTP parser %s", args.host, args.port, loop,
+             http)
     server = _make_server_class()(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
+            loop=loop,
+            http=http,
             log_level=args.log_level,
             access_log=False,
             timeout_graceful_shutdown=args.shutdown_grace_s,
@@ -326,6 +331,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _event_loop_and_http() -> tuple[str, str]:
+    """uvloop and httptools where installed (dependencies, on Linux), else asyncio and h11.
+
+    NOTE: the request path's Python shares the 2 cores with the forward, and at 8 in flight a
+    classify step waits for its 8 replacements to pass through it one after another. With uvloop
+    and httptools the event loop thread spent 0.22-0.27 s instead of 0.29-0.34 s per 200 classify
+    requests (two servers side by side, alternating)."""
+    import importlib.util
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return loop, http
 
 
 def _make_server_class():
