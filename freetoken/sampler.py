@@ -154,30 +154,35 @@ class Sampler:
                 torch.tensor([rows[i].step for i in stochastic], dtype=torch.int64, device=dev))
             tokens[idx] = sampled.to(tokens.dtype)
 
+        tokens_l = tokens.tolist()
+        top_ids_l, top_lps_l = top_ids.tolist(), top_lps.tolist()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        chosen_lp = rank = extra = None
-        if want:
+        # NOTE: a greedy row's token is its top-1, the max of the masked, biased logits: its
+        # logprob is the top list's and its rank 1 (nothing is strictly greater), so only the
+        # other rows (and those asking for logprob_token_ids) take a pass over the vocabulary.
+        sampled_rows = set(stochastic)
+        full = [i for i in want if i in sampled_rows or params[i].logprob_token_ids
+                or top_lps_l[i][0] == _NEG_INF]
+        chosen_lp: dict[int, float] = {}
+        rank: dict[int, int] = {}
+        extra: dict[int, list[tuple[int, float]]] = {}
+        if full:
             # NOTE: logit - lse can differ from the kernel's top-K value in the last ulp; a token
             # that is also in its top list reports the top list's number (below), so one token
             # never shows two logprobs in one response.
-            widx = torch.tensor(want, device=dev)
-            mb = _masked_biased(logits.index_select(0, widx), [params[i] for i in want])  # [W,V]
+            widx = torch.tensor(full, device=dev)
+            mb = _masked_biased(logits.index_select(0, widx), [params[i] for i in full])  # [W,V]
             tok = tokens[widx]                                                    # [W]
             val = mb.gather(1, tok[:, None])                                      # [W, 1]
-            chosen_lp = (val[:, 0] - lse[widx]).tolist()
-            rank = ((mb > val).sum(-1) + 1).tolist()
-            extra = []
-            for j, i in enumerate(want):
+            lps = (val[:, 0] - lse[widx]).tolist()
+            ranks = ((mb > val).sum(-1) + 1).tolist()
+            for j, i in enumerate(full):
+                chosen_lp[i], rank[i] = lps[j], ranks[j]
                 ids = params[i].logprob_token_ids
                 if ids:
                     t = torch.tensor(ids, device=dev)
-                    extra.append(list(zip(ids, (mb[j, t] - lse[i]).tolist())))
-                else:
-                    extra.append([])
-        tokens_l = tokens.tolist()
-        top_ids_l, top_lps_l = top_ids.tolist(), top_lps.tolist()
+                    extra[i] = list(zip(ids, (mb[j, t] - lse[i]).tolist()))
         out: list[tuple[int, TokenLogprob | None]] = []
-        w = 0
         for i, p in enumerate(params):
             if p.logprobs is None:
                 out.append((tokens_l[i], None))
@@ -186,10 +191,12 @@ class Sampler:
             top = [(t, lp) for t, lp in zip(top_ids_l[i][:kk], top_lps_l[i][:kk])
                    if t >= 0 and lp != _NEG_INF]
             in_top = dict(top)
+            if i in chosen_lp:
+                lp, rk = in_top.get(tokens_l[i], chosen_lp[i]), rank[i]
+            else:  # greedy: the top-1 (top_lps has a column even for logprobs 0)
+                lp, rk = top_lps_l[i][0], 1
             out.append((tokens_l[i], TokenLogprob(
-                tokens_l[i], in_top.get(tokens_l[i], chosen_lp[w]), rank[w], top,
-                [(t, in_top.get(t, lp)) for t, lp in extra[w]])))
-            w += 1
+                tokens_l[i], lp, rk, top, [(t, in_top.get(t, v)) for t, v in extra.get(i, [])])))
         return out
 
     def prompt_logprobs(self, logits: torch.Tensor, target_ids: Seq[int], k: int
