@@ -247,8 +247,8 @@ def run_all(args, servers: list[Server], gguf: str, resdir: str) -> list[dict]:
 
 # The runs whose ratio to a bound is a target: the machine's GEMM peak and bandwidth are measured
 # right before each of them (compute_bound.py --machine-only, ~15 s), and each rep has its own
-# bound from them. NOTE: measured once at the end, the bound caught another moment
-# of this shared machine: read bandwidth 38 GB/s in one run and 50 GB/s in the next, an hour apart.
+# bound from them. NOTE: measured only once, after the runs, the bound caught another moment of
+# this shared machine: read bandwidth 38 GB/s in one run and 50 GB/s in the next, an hour apart.
 BOUND_SYSTEM = "freetoken-fp32"
 BOUND_WORKLOADS = ("classify", "decode", "decode-1")
 
