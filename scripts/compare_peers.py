@@ -75,7 +75,8 @@ def default_gguf() -> str:
 def install(skip: bool) -> None:
     if not skip:
         sh(["bash", os.path.join(ROOT, "scripts", "install")])
-    need = [pkg for mod, pkg in [("httpx", "httpx>=0.27"), ("matplotlib", "matplotlib"),
+    need = [pkg for mod, pkg in [("httpx", "httpx>=0.27"), ("aiohttp", "aiohttp>=3.9"),
+                                 ("matplotlib", "matplotlib"),
                                  ("transformers", "transformers>=4.46"), ("gguf", "gguf"),
                                  ("accelerate", "accelerate")]
             if importlib.util.find_spec(mod) is None]
