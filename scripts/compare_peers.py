@@ -9,7 +9,8 @@ What it does:
     transformers, gguf; torch stays pinned at 2.13.0);
  2. builds llama.cpp's C++ `llama-server` from the llama.cpp sources vendored in the
     `llama-cpp-python` sdist (`pip download --no-deps --no-binary :all: llama-cpp-python`),
-    cmake Release, -DGGML_NATIVE=ON, -DLLAMA_CURL=OFF, only the llama-server target, under
+    cmake Release, -DGGML_NATIVE=ON without AMX (it segfaults here: llama.cpp #20824),
+    -DLLAMA_CURL=OFF, only the llama-server target, under
     `nice -n 19`; cached in ~/.cache/freetoken-peers (never in the repo) and reused;
  3. starts, each on its own free loopback port, with the same thread count and
     OMP_WAIT_POLICY=PASSIVE: FreeToken fp32 (the default), FreeToken --dtype bfloat16, and
@@ -85,7 +86,7 @@ def install(skip: bool) -> None:
 
 
 def find_llama_server() -> str | None:
-    found = sorted(glob.glob(os.path.join(CACHE, "build-*", "bin", "llama-server")),
+    found = sorted(glob.glob(os.path.join(CACHE, "build-*-noamx", "bin", "llama-server")),
                    key=os.path.getmtime)
     return found[-1] if found else None
 
@@ -107,9 +108,15 @@ def build_llama_server(jobs: int) -> str:
         with tarfile.open(sdist) as t:
             t.extractall(src, filter="data")
     llama = os.path.join(tree, "vendor", "llama.cpp")
-    build = os.path.join(CACHE, f"build-{ver}")
-    # no network at build time: no curl, no OpenSSL, no prebuilt web UI download
+    build = os.path.join(CACHE, f"build-{ver}-noamx")
+    # No network at build time: no curl, no OpenSSL, no prebuilt web UI download.
+    # NOTE: -march=native turns on ggml's AMX backend where the CPU has AMX-INT8, and on this
+    # project's Sapphire-Rapids-class machines it segfaults in ggml_backend_amx_mul_mat while
+    # warming up (llama.cpp issue #20824, open). Without it llama-server computes with its
+    # AVX-512 VNNI int8 dot products and keeps its CPU repacking (the Q8_0 output weights).
+    no_amx = "-mno-amx-int8 -mno-amx-tile"
     sh(["nice", "-n", "19", "cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
         "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"])
@@ -178,9 +185,14 @@ def start_servers(args, gguf: str, llama_exe: str | None, logdir: str) -> list[S
             "-t", str(args.threads), "-tb", str(args.threads), "-np", "8",
             "-c", str(args.llama_ctx), "--no-webui"], p, "llama-server", logdir, env))
     import bench_serve
-    for s in out:
-        bench_serve.wait_ready(s.url, timeout=300, proc=s.proc)
-        log(f"{s.name} ready on {s.url}")
+    try:
+        for s in out:
+            bench_serve.wait_ready(s.url, timeout=300, proc=s.proc)
+            log(f"{s.name} ready on {s.url}")
+    except BaseException:  # one that never came up: stop the others, or they outlive the script
+        for s in out:
+            s.stop()
+        raise
     return out
 
 
