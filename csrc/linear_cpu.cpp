@@ -13,7 +13,10 @@
 // fp32 accumulators; per k one panel row is loaded and x[m, k] broadcast from memory into an FMA.
 // Small MR also unrolls k into independent partial sums (KU) so 8+ FMA chains hide the latency.
 // Rows beyond MR_max are cut into equal chunks; the thread then walks an L2-sized block of its
-// panels once per chunk, so the weights still come from DRAM once.
+// panels once per chunk, so the weights still come from DRAM once, and pulls the next block into
+// L2 meanwhile. Those chunks (AVX-512: <= 14 rows) take two panels at a time, each broadcast of x
+// feeding two FMAs: with one panel a core with two 512-bit FMA ports waits on loads (classify's
+// 224 rows on a Sapphire-Rapids-class Xeon, one thread: 119 -> 159 GFLOP/s hot).
 //
 // Threads: the panels are cut into a few contiguous ranges (>= 512 KB of weights each) that the
 // caller and torch.get_num_threads() - 1 helpers of a small pool claim in order; a call estimated
@@ -96,70 +99,146 @@ FT_INLINE typename Vec<L>::f load_w(const uint16_t* p) {
   return v;
 }
 
-// Rows [r0, r0 + MR) of y, panels [p0, p1): the micro-kernel, L = floats per vector.
-template <int L, int MR, bool PF, typename WT>
-FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1) {
+// The weights of the next block of panels (run), pulled into L2 a line every `every` k steps of
+// the micro-kernels while they compute on this block. Without it the first row chunk's pass over
+// a block waited on DRAM: one core streams ~11 GB/s here, and that pass wants twice that; the
+// later chunks find the block in L2.
+struct Ahead {
+  const char* p;    // the next line to pull
+  const char* end;  // the end of the next block
+  int64_t every;
+};
+
+// Rows [r0, r0 + MR) of y, panels [p0, p0 + NP): the micro-kernel, L = floats per vector. NP
+// panels share each broadcast of x: with one panel every FMA brings its own load of x (MR + 1
+// loads per MR FMAs), which on cores with two 512-bit FMA ports is what limits them. AHEAD: the
+// k loop also pulls in the next block's lines (Ahead).
+template <int L, int MR, int NP, bool PF, bool AHEAD, typename WT>
+FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahead) {
   using vf = typename Vec<L>::f;
   constexpr int V = kNR / L;  // vectors per panel row
-  constexpr int KU = panel::partial_sums(MR * V);  // k unroll
+  // NOTE: the k unroll follows the rows alone, not NP: every output is then summed in the same
+  // order whatever NP (the same results with one panel or two).
+  constexpr int KU = panel::partial_sums(MR * V);
   const int64_t K = a.K;
   const float* x = a.x + r0 * K;
-  for (int64_t p = p0; p < p1; ++p) {
-    const WT* wp = a.w + p * K * kNR;
-    vf acc[KU][MR][V];
-    panel::zero(acc);
-    int64_t k = 0;
-    for (; k + KU <= K; k += KU, wp += KU * kNR) {
-#pragma GCC unroll 64
-      for (int u = 0; u < KU; ++u) {
-        if constexpr (PF)  // t1
-          __builtin_prefetch(reinterpret_cast<const char*>(wp + u * kNR) + kPrefetchBytes, 0, 2);
-        vf wv[V];
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) wv[v] = in_register(load_w<L>(wp + u * kNR + v * L));
-#pragma GCC unroll 64
-        for (int m = 0; m < MR; ++m) {
-          const float xs = x[(k + u) * MR + m];
-#pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) acc[u][m][v] += wv[v] * xs;
+  const WT* wp[NP];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) wp[j] = a.w + (p0 + j) * K * kNR;
+  vf acc[NP][KU][MR][V];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
+  int64_t k = 0, countdown = ahead.every;
+  for (; k + KU <= K; k += KU) {
+    if constexpr (AHEAD) {
+      if (--countdown == 0) {
+        countdown = ahead.every;
+        if (ahead.p < ahead.end) {
+          __builtin_prefetch(ahead.p, 0, 2);  // t1
+          ahead.p += 64;
         }
       }
     }
-    for (; k < K; ++k, wp += kNR) {
+#pragma GCC unroll 64
+    for (int u = 0; u < KU; ++u) {
+      vf wv[NP][V];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const WT* row = wp[j] + (k + u) * kNR;
+        if constexpr (PF)  // t1
+          __builtin_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, 0, 2);
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) wv[j][v] = in_register(load_w<L>(row + v * L));
+      }
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m) {
+        const float xs = x[(k + u) * MR + m];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) acc[j][u][m][v] += wv[j][v] * xs;
+      }
+    }
+  }
+  for (; k < K; ++k) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
       vf wv[V];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) wv[v] = load_w<L>(wp + v * L);
+      for (int v = 0; v < V; ++v) wv[v] = load_w<L>(wp[j] + k * kNR + v * L);
 #pragma GCC unroll 64
       for (int m = 0; m < MR; ++m) {
         const float xs = x[k * MR + m];
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[0][m][v] += wv[v] * xs;
+        for (int v = 0; v < V; ++v) acc[j][0][m][v] += wv[v] * xs;
       }
     }
-    panel::store_sums<L>(acc, a.y + r0 * a.N, a.N, p * kNR, a.bias);
   }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j)
+    panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p0 + j) * kNR, a.bias);
 }
 
-// MR from the run-time row count mr (1..MR): one instantiation per value.
-template <int L, int MR, typename WT>
-FT_INLINE void panels_rows(const Args<WT>& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return panels_rows<L, MR - 1>(a, mr, r0, p0, p1);
-  }
-  panels<L, MR, (MR >= kPrefetchMinRows)>(a, r0, p0, p1);
+// Rows [r0, r0 + MR) of y, panels [p0, p1): pairs of panels where NP2 (the kernel's row count
+// allows two panels' accumulators in registers), one panel at a time otherwise and for an odd
+// last one.
+template <int L, int MR, bool NP2, bool AHEAD, typename WT>
+FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1, Ahead& ahead) {
+  constexpr bool kPF = MR >= kPrefetchMinRows;
+  int64_t p = p0;
+  if constexpr (NP2)
+    for (; p + 2 <= p1; p += 2) panel_group<L, MR, 2, kPF, AHEAD>(a, r0, p, ahead);
+  for (; p < p1; ++p) panel_group<L, MR, 1, kPF, AHEAD>(a, r0, p, ahead);
 }
 
-// Panels [p0, p1) for every row: rows cut into equal chunks of at most MRMAX.
-template <int L, int MRMAX, typename WT>
+// MR from the run-time row count mr: one instantiation per value, 1..MR for single panels and
+// kMinPairRows..MR for pairs (row_chunks never gives a paired kernel fewer rows).
+constexpr int kMinPairRows = 8;
+template <int L, int MR, bool NP2, bool AHEAD, typename WT>
+FT_INLINE void panels_rows(const Args<WT>& a, int mr, int64_t r0, int64_t p0, int64_t p1,
+                           Ahead& ahead) {
+  if constexpr (MR > (NP2 ? kMinPairRows : 1)) {
+    if (mr < MR) return panels_rows<L, MR - 1, NP2, AHEAD>(a, mr, r0, p0, p1, ahead);
+  }
+  panels<L, MR, NP2, AHEAD>(a, r0, p0, p1, ahead);
+}
+
+// How x's rows are cut into equal chunks (the transposed copy and the micro-kernels agree on
+// it): at most mr_max rows, one chunk up to mr_max; past that, where the ISA has a paired
+// kernel (mr_pairs > 0), at most mr_pairs rows so two panels' accumulators fit the registers.
+// Chunks of at least 8 rows keep KU = 1 (panel::partial_sums) whichever kernel runs.
+int64_t row_chunks(int64_t M, int64_t mr_max, int64_t mr_pairs) {
+  const int64_t mr = M <= mr_max || mr_pairs == 0 ? mr_max : mr_pairs;
+  return (M + mr - 1) / mr;
+}
+
+// Panels [p0, p1) for every row: rows cut into equal chunks (row_chunks); with more than one
+// chunk each walks an L2-sized block of panels in turn, so the weights come from DRAM once,
+// while the next block is pulled in (Ahead).
+template <int L, int MRMAX, int MRPAIRS, typename WT>
 FT_INLINE void run(const Args<WT>& a, int64_t p0, int64_t p1) {
-  const int64_t chunks = (a.M + MRMAX - 1) / MRMAX;
-  const int64_t block = chunks == 1 ? p1 - p0
-                                    : std::max<int64_t>(1, kBlockBytes / (a.K * kNR * sizeof(WT)));
+  const int64_t chunks = row_chunks(a.M, MRMAX, MRPAIRS);
+  Ahead none{nullptr, nullptr, 1};
+  if (chunks == 1)
+    return panels_rows<L, MRMAX, false, false>(a, static_cast<int>(a.M), 0, p0, p1, none);
+  // An even number of panels a block where they go in pairs.
+  const int64_t panel = a.K * kNR * static_cast<int64_t>(sizeof(WT));
+  const int64_t block = std::max<int64_t>(
+      MRPAIRS > 0 ? 2 : 1, kBlockBytes / panel & (MRPAIRS > 0 ? ~1 : ~0));
+  const char* w = reinterpret_cast<const char*>(a.w);
   for (int64_t b0 = p0; b0 < p1; b0 += block) {
-    const int64_t b1 = std::min(p1, b0 + block);
+    const int64_t b1 = std::min(p1, b0 + block), next = std::min(p1, b1 + block);
+    // The k steps of this block's passes (one per chunk) spread over the next block's lines.
+    const int64_t steps = chunks * (b1 - b0) * a.K / (MRPAIRS > 0 ? 2 : 1);
+    const int64_t lines = (next - b1) * panel / 64;
+    Ahead ahead{w + b1 * panel, w + next * panel, std::max<int64_t>(1, steps / (lines + 1))};
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = a.M * c / chunks, r1 = a.M * (c + 1) / chunks;
-      panels_rows<L, MRMAX>(a, static_cast<int>(r1 - r0), r0, b0, b1);
+      if constexpr (MRPAIRS > 0) {
+        panels_rows<L, MRPAIRS, true, true>(a, static_cast<int>(r1 - r0), r0, b0, b1, ahead);
+      } else {
+        panels_rows<L, MRMAX, false, true>(a, static_cast<int>(r1 - r0), r0, b0, b1, ahead);
+      }
     }
   }
 }
@@ -232,17 +311,19 @@ FT_INLINE void transpose_chunk(const c10::BFloat16* x, int64_t M, int64_t K, int
 
 // Registers: AVX-512 has 32 of one panel row each; AVX2 16 of half a row; SSE2 16 of a quarter.
 // The transposes' chunks (<= MRMAX rows) fit a vector's L lanes on each.
+// Pairs on AVX-512 only: 14 rows x 2 panels are 28 accumulators, plus the two panel rows and a
+// broadcast (AVX2 would be down to 3 rows a pair: no fewer loads per FMA than one panel of 6).
 template <typename WT>
 FT_TARGET_AVX512 void run_avx512(const Args<WT>& a, int64_t p0, int64_t p1) {
-  run<16, 16>(a, p0, p1);
+  run<16, 16, 14>(a, p0, p1);
 }
 template <typename WT>
 FT_TARGET_AVX2 void run_avx2(const Args<WT>& a, int64_t p0, int64_t p1) {
-  run<8, 6>(a, p0, p1);
+  run<8, 6, 0>(a, p0, p1);
 }
 template <typename WT>
 void run_base(const Args<WT>& a, int64_t p0, int64_t p1) {
-  run<4, 2>(a, p0, p1);
+  run<4, 2, 0>(a, p0, p1);
 }
 template <typename XT>
 FT_TARGET_AVX512 void transpose_avx512(const XT* x, int64_t M, int64_t K, int64_t c,
@@ -263,15 +344,15 @@ template <typename WT, typename XT>
 struct Kernel {
   void (*run)(const Args<WT>&, int64_t, int64_t);
   void (*transpose)(const XT*, int64_t, int64_t, int64_t, int64_t, float*);
-  int64_t mr_max;  // the MRMAX it was instantiated with: x's chunks must match
+  int64_t mr_max, mr_pairs;  // run's MRMAX and MRPAIRS: x's chunks must match (row_chunks)
 };
 
 template <typename WT, typename XT>
 Kernel<WT, XT> pick_kernel() {
   const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (name == "avx512") return {&run_avx512<WT>, &transpose_avx512<XT>, 16};
-  if (name == "avx2") return {&run_avx2<WT>, &transpose_avx2<XT>, 6};
-  return {&run_base<WT>, &transpose_base<XT>, 2};
+  if (name == "avx512") return {&run_avx512<WT>, &transpose_avx512<XT>, 16, 14};
+  if (name == "avx2") return {&run_avx2<WT>, &transpose_avx2<XT>, 6, 0};
+  return {&run_base<WT>, &transpose_base<XT>, 2, 0};
 }
 
 }  // namespace
@@ -380,7 +461,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const float* xp = nullptr;
   if (M > 1 || !std::is_same_v<XT, float>) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
-    const int64_t chunks = (M + kern.mr_max - 1) / kern.mr_max;
+    const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
     const int tthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
     TaskPool::get().run(chunks, tthreads, [&](int64_t c) {
       kern.transpose(x.data_ptr<XT>(), M, h.K, c, chunks, xt.data_ptr<float>());
@@ -395,13 +476,15 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const double w_bytes = static_cast<double>(h.P) * h.K * kNR * sizeof(WT);
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
-  // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming).
+  // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming), a
+  // multiple of the threads (3 equal tasks on 2 threads leave one idle a third of the call).
   const int64_t ntasks = nthreads == 1 ? 1 : std::clamp<int64_t>(
-      static_cast<int64_t>(w_bytes / panel::kTaskBytes), nthreads, 4 * nthreads);
+      static_cast<int64_t>(w_bytes / panel::kTaskBytes), nthreads, 4 * nthreads) /
+      nthreads * nthreads;
   const int64_t n = std::min(ntasks, h.P);
-  TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    kern.run(a, h.P * t / n, h.P * (t + 1) / n);
-  });
+  // Ranges start on even panels, so the paired kernel (run) leaves no odd panel in the middle.
+  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{1}; };
+  TaskPool::get().run(n, nthreads, [&](int64_t t) { kern.run(a, start(t), start(t + 1)); });
 }
 
 }  // namespace

@@ -96,6 +96,23 @@ def test_two_threads_equal_one(M, N, K):
     _check(x, w, b, one)
 
 
+@pytest.mark.parametrize("M", [9, 17, 29, 37, 224])
+@pytest.mark.parametrize("N,K", [(33, 17), (1000, 333), (960, 576)])
+def test_a_rows_sums_do_not_depend_on_the_other_rows(isa, M, N, K):
+    """On AVX-512, from 8 rows on, every output is one running sum over k: the same bits whether
+    its row shares the call with 7 others or 223, a single panel or a pair (past 16 rows) or an
+    odd panel left over (33 and 1000 columns are 3 and 63 panels). (The narrower ISAs cut rows
+    into chunks too small for that: their sums split by chunk size.)"""
+    if isa != "avx512":
+        pytest.skip("the row chunks of AVX2 and SSE2 are under 8 rows")
+    x, w, b = _case(M, N, K, bias=True)
+    p = ops.pack_panels(w)
+    y = ops.panel_linear(x, p, b)
+    for r0 in range(0, M - 7, 5):
+        assert torch.equal(ops.panel_linear(x[r0:r0 + 8].contiguous(), p, b), y[r0:r0 + 8]), r0
+    _check(x, w, b, y)
+
+
 def test_packed_layout_and_header():
     N, K = 35, 7
     w = torch.randn(N, K)
