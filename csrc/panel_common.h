@@ -41,9 +41,12 @@ constexpr int partial_sums(int accumulators) {
   return ku;
 }
 constexpr double kTaskBytes = 512 << 10;  // the least weight bytes per pool task
-// NOTE: waking a helper thread costs ~10-40 us here (and more when the other core is busy); a
-// call whose estimated time on one thread is below this runs on the caller alone.
-constexpr double kInlineNs = 150e3;
+// NOTE: a call estimated under this on one thread runs on the caller alone. The pool's helpers
+// poll between the calls of a forward, so a split costs ~2 us, and one core does not saturate
+// DRAM everywhere: on a Sapphire-Rapids-class Xeon one core streams ~11 GB/s, two ~23. At 150
+// us (when a wake-up cost 10-40 us) most decode projections ran on one core: bf16 decode 1 x 1
+// forward 20.9 -> 14.1 ms at 20 us, fp32 panels (FREETOKEN_LINEAR=panels) 8 x 1 29.3 -> 22.2.
+constexpr double kInlineNs = 20e3;
 
 struct Header {
   int64_t N, K, P;  // P = ceil(N / kNR) panels

@@ -53,10 +53,9 @@ constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk
 // waiting on them (SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole decode
 // step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike; prefetcht0 = nta here).
 constexpr int64_t kPrefetchBytes = 1536;
-// NOTE: dequantizing makes these calls compute bound, so unlike the fp32 panels (bound by DRAM,
-// which one core nearly saturates) they scale with threads; with the pool's helpers polling
-// between calls a split costs ~2 us, and only calls estimated under this stay on the caller.
-constexpr double kSplitNs = 20e3;
+// NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
+// fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
+constexpr double kSplitNs = panel::kInlineNs;
 
 struct Args {
   const float* x;     // [M, K], rows contiguous (read in place: no transposed copy)
