@@ -376,9 +376,12 @@ struct Shapes {
   };
 
 // Per ISA: 16 columns per vector for wide tasks, 8 for tasks of at most 8 columns (decode:
-// one token x G heads). AVX-512 has 32 vector registers, AVX2 and SSE2 16.
+// one token x G heads). AVX-512 has 32 vector registers, AVX2 and SSE2 16. The wide QK takes
+// up to 6 column vectors by 4 keys: a classify task's 84 columns (28 tokens x 3 heads) are 5
+// full vectors, one group, where 6 keys x 4 vectors left a group of one vector whose 6 FMAs
+// waited on 7 loads (QK cycles of that call -7 % on a Sapphire-Rapids-class Xeon).
 FT_ATTENTION_KERNELS(Avx512Wide, FT_TARGET_AVX512,
-                     Shapes<QkShape<16, 6, 4>, QkShape<8, 6, 1>, PvShape<16, 6, 4>>)
+                     Shapes<QkShape<16, 4, 6>, QkShape<8, 6, 1>, PvShape<16, 6, 4>>)
 FT_ATTENTION_KERNELS(Avx512Narrow, FT_TARGET_AVX512,
                      Shapes<QkShape<8, 6, 2>, QkShape<4, 6, 1>, PvShape<16, 6, 4>>)
 FT_ATTENTION_KERNELS(Avx2Kernels, FT_TARGET_AVX2,
