@@ -11,8 +11,10 @@ Then, from the GGUF's shapes (block count, hidden, ffn, heads, vocab):
   * classify: FLOPs of the tokens actually computed per request (the uncached prompt tail through
     every layer, attention over the full context, and the lm_head at the one logits position),
     and the fp32 compute bound in requests/s = GEMM GFLOP/s / GFLOP per request;
-  * decode: the weight bytes read per step (fp32, bf16, and the GGUF's own quantized bytes), and
-    the weight-bandwidth bound in tokens/s = streams x bandwidth / bytes per step.
+  * decode: the bytes each system actually reads per step (its weights in the form its decode
+    steps read them, plus the KV of every stream at the mean context) and the fp32 FLOPs of one
+    token; scripts/peer_report.py turns them into the bandwidth bound (streams x bandwidth /
+    bytes per step) and the compute bound (GEMM peak / FLOPs per token) of each system.
 
     python3 scripts/compute_bound.py --threads 2 [--computed-tokens 24] [--results run.jsonl]
 
@@ -59,7 +61,11 @@ def model_shape(path: str) -> dict:
          "vocab": int(r.fields[f"{arch}.vocab_size"].parts[-1][0])
          if f"{arch}.vocab_size" in r.fields else None,
          "params": n_params, "tied_embeddings": "output.weight" not in names,
-         "gguf_weight_bytes": sum(int(t.n_bytes) for t in r.tensors)}
+         "gguf_weight_bytes": sum(int(t.n_bytes) for t in r.tensors),
+         # a decode step reads every tensor but the embedding (one row of it), unless the
+         # embedding is the lm_head too
+         "gguf_step_bytes": sum(int(t.n_bytes) for t in r.tensors
+                                if t.name != "token_embd.weight" or "output.weight" not in names)}
     if d["vocab"] is None:
         d["vocab"] = int(next(t for t in r.tensors if t.name == "token_embd.weight").shape[1])
     h, hd = d["hidden"], d["hidden"] // d["heads"]
@@ -75,6 +81,36 @@ def flops_per_token(s: dict, ctx: float) -> float:
     lin = 2 * s["linear_params_per_layer"]
     attn = 4 * s["heads"] * s["head_dim"] * ctx  # QK^T and PV
     return s["layers"] * (lin + attn)
+
+
+def decode_bytes(s: dict) -> dict:
+    """What one decode step of each system reads: its weights in the form its decode steps read
+    them (bytes, every linear and the lm_head once; the embedding lookup reads one row), and its
+    KV per token of context per stream (K and V of every layer)."""
+    kv_elems = s["layers"] * 2 * s["kv_heads"] * s["head_dim"]
+    linear_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
+    return {
+        # steps of <= 8 rows read the file's blocks in place, dequantized in registers
+        "freetoken-fp32": {"weights": s["gguf_step_bytes"], "kv_per_token": 4 * kv_elems,
+                           "weights_read_as": "the GGUF's own blocks, fp32 KV"},
+        "freetoken-bf16": {"weights": 2 * linear_params, "kv_per_token": 2 * kv_elems,
+                           "weights_read_as": "bf16 panels, bf16 KV"},
+        "llama-server": {"weights": s["gguf_step_bytes"], "kv_per_token": 2 * kv_elems,
+                         "weights_read_as": "the GGUF's own blocks, f16 KV (its default)"},
+    }
+
+
+def decode_context(results: str | None, label: str) -> float | None:
+    """The mean context of a decode token in `results`' decode run of `label`: its prompt plus
+    half its output (None without such a record)."""
+    if not results:
+        return None
+    recs = [json.loads(x) for x in open(results) if x.strip()]
+    recs = [r for r in recs if r.get("label") == label and r.get("workload") == "decode"
+            and r.get("prompt_tokens_mean")]
+    if not recs:
+        return None
+    return recs[0]["prompt_tokens_mean"] + recs[0]["max_tokens"] / 2
 
 
 def bench(fn, min_time: float = 0.6, warm: int = 2) -> float:
@@ -155,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classify-batch", type=int, default=8, help="requests per engine step")
     ap.add_argument("--results", default=None, help="bench_serve JSON lines")
     ap.add_argument("--label", default="freetoken-fp32")
+    ap.add_argument("--decode-context", type=float, default=None,
+                    help="mean context of a decode token (default: from --results, else 70)")
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
     ap.add_argument("--linear-variants", action="store_true",
                     help="also time the decode projections as F.linear vs oneDNN packed")
@@ -205,12 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = (prompt + (prompt - computed)) / 2  # mean keys seen by the computed tail tokens
     fl_req = computed * flops_per_token(s, ctx) + 2 * s["lm_head_params"]
     fl_req_full = prompt * flops_per_token(s, prompt / 2) + 2 * s["lm_head_params"]
-    # decode: every linear weight and the lm_head are read once per step (the embedding lookup
-    # reads one row; with tied embeddings the lm_head *is* the embedding matrix)
-    step_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
-    bytes_step = {"fp32": 4 * step_params, "bf16": 2 * step_params,
-                  "gguf": s["gguf_weight_bytes"]}
-    bw_read = bw["read_gb_s"] * 1e9
+    decode_ctx = args.decode_context or decode_context(args.results, args.label) or 70.0
     out = {
         "threads": args.threads, "model": s, "gemm_gflops": g, "gemm_gflops_peak_fp32": peak,
         "bandwidth": bw,
@@ -220,13 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                      "bound_requests_per_s_fp32": peak * 1e9 / fl_req,
                      "gflop_per_request_no_cache": fl_req_full / 1e9,
                      "bound_requests_per_s_fp32_no_cache": peak * 1e9 / fl_req_full},
-        "decode": {"weight_bytes_per_step": bytes_step,
-                   "bound_tokens_per_s": {
-                       f"{k}_x{n}": n * bw_read / b for k, b in bytes_step.items()
-                       for n in (1, 8)},
-                   # for comparison: the compute bound of the same tokens (mean context 70)
-                   "compute_bound_tokens_per_s_fp32": peak * 1e9 / (
-                       flops_per_token(s, 70) + 2 * s["lm_head_params"])}}
+        "decode": {"context_mean": decode_ctx,
+                   "flops_per_token": flops_per_token(s, decode_ctx) + 2 * s["lm_head_params"],
+                   "bytes": decode_bytes(s)}}
+    bw_read = bw["read_gb_s"] * 1e9
     if args.linear_variants:
         BW_READ[0] = bw_read
         out["linear_variants"] = linear_variants(s)
@@ -234,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:<34} F.linear {r['linear_ms']:8.3f} ms   oneDNN packed "
                   f"{r['onednn_ms']:8.3f} ms   bandwidth bound {r['bandwidth_bound_ms']:7.3f} ms",
                   file=sys.stderr)
+    dec = out["decode"]
+    fp32 = dec["bytes"]["freetoken-fp32"]
+    step8 = fp32["weights"] + 8 * decode_ctx * fp32["kv_per_token"]
     print(f"fp32 GEMM peak {peak:.1f} GFLOP/s; read bandwidth {bw['read_gb_s']:.1f} GB/s; "
           f"classify {computed:.1f} computed tokens/request = {fl_req / 1e9:.2f} GFLOP -> bound "
-          f"{out['classify']['bound_requests_per_s_fp32']:.1f} req/s; decode fp32 bound "
-          f"{out['decode']['bound_tokens_per_s']['fp32_x8']:.0f} tok/s x8, "
-          f"{out['decode']['bound_tokens_per_s']['fp32_x1']:.0f} tok/s x1", file=sys.stderr)
+          f"{out['classify']['bound_requests_per_s_fp32']:.1f} req/s; decode x8 (FreeToken fp32) "
+          f"reads {step8 / 1e6:.0f} MB a step -> bandwidth bound "
+          f"{8 * bw_read / step8:.0f} tok/s, compute bound "
+          f"{peak * 1e9 / dec['flops_per_token']:.0f} tok/s", file=sys.stderr)
     print(json.dumps(out))
     return 0
 

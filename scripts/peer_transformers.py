@@ -13,7 +13,10 @@ dequantizes it to fp32) and scores the classify prompts of scripts/bench_serve.p
 The split point is the longest common token prefix of the prompts, so both modes evaluate exactly
 the same token ids as the full prompts. Prints one JSON line per mode (bench_serve's fields).
 
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/peer_transformers.py --threads 2 -n 64
+    python3 scripts/peer_transformers.py -n 64        # torch's default threads and environment
+
+It runs in the environment it is given: scripts/compare_peers.py runs it once with its defaults
+and once under OMP_WAIT_POLICY=PASSIVE, and keeps the better.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import warnings  # noqa: E402
@@ -111,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--num-requests", type=int, default=64,
                     help="classify prompts (the first n of bench_serve's 200)")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 0) or 0)
-                    or os.cpu_count())
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: torch's own choice)")
     ap.add_argument("--mode", choices=["naive", "prefix", "both"], default="both")
     ap.add_argument("--workload", choices=["classify", "classify-multi"], default="classify")
     ap.add_argument("--seed", type=int, default=0, help="bench_serve's review seed")
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     t0 = time.perf_counter()
     tok, model = load(args.model or default_gguf())
     print(f"transformers {__import__('transformers').__version__}: loaded in "

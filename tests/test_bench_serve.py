@@ -1,6 +1,6 @@
 """scripts/bench_serve.py: its workload builders and stats math, and one tiny run of a few
 requests against a real `python -m freetoken` subprocess on a free loopback port; the bound
-ratios of scripts/compare_peers.py."""
+ratios, best rows and environments of scripts/compare_peers.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_serve as bs  # noqa: E402
 import compare_peers as cp  # noqa: E402
+import peer_report as pr  # noqa: E402
 
 
 def test_classify_workload_shape():
@@ -72,11 +73,13 @@ def test_payloads_per_flavor():
 
 
 def test_bound_ratios_use_the_machine_measured_before_each_rep():
-    """compare_peers: a rep's bound is its machine's GEMM peak / GFLOP per request (classify) or
-    streams x bandwidth / fp32 bytes per step (decode); the ratio is the median of the reps'
-    value / bound; only FreeToken fp32's records of that workload count."""
+    """peer_report: a rep's bound is its machine's GEMM peak / GFLOP per request (classify), or
+    the lower of streams x bandwidth / the bytes FreeToken fp32 reads a step and the GEMM peak /
+    FLOPs per token (decode); the ratio is the median of the reps' value / bound; only
+    FreeToken fp32's records of that workload count."""
     bounds = {"classify": {"gflop_per_request": 10.0},
-              "decode": {"weight_bytes_per_step": {"fp32": 800e6}}}
+              "decode": {"context_mean": 10.0, "flops_per_token": 1e9,
+                         "bytes": {"freetoken-fp32": {"weights": 100e6, "kv_per_token": 1e6}}}}
     recs = [
         {"system": "freetoken-fp32", "workload": "classify", "requests_per_s": 30.0,
          "machine": {"gemm_gflops": 600.0, "read_gb_s": 40.0}},    # bound 60 -> 0.5
@@ -84,19 +87,77 @@ def test_bound_ratios_use_the_machine_measured_before_each_rep():
          "machine": {"gemm_gflops": 300.0, "read_gb_s": 40.0}},    # bound 30 -> 1.33
         {"system": "freetoken-fp32", "workload": "classify", "requests_per_s": 36.0,
          "machine": {"gemm_gflops": 450.0, "read_gb_s": 10.0}},    # bound 45 -> 0.8
-        {"system": "llama-server", "workload": "classify", "requests_per_s": 9.0,
+        {"system": "llama-server-t2", "workload": "classify", "requests_per_s": 9.0,
          "machine": {"gemm_gflops": 1.0, "read_gb_s": 1.0}},
+        # 8 streams: 100 MB of weights + 8 x 10 x 1 MB of KV = 180 MB a step; 8 x 45e9 / 180e6
+        # = 2000 tok/s bandwidth, 500e9 / 1e9 = 500 tok/s compute
         {"system": "freetoken-fp32", "workload": "decode", "output_tokens_per_s": 400.0,
-         "machine": {"gemm_gflops": 1.0, "read_gb_s": 25.0}},      # 8 x 25e9 / 800e6 = 250
+         "machine": {"gemm_gflops": 500.0, "read_gb_s": 45.0}},
+        # 1 stream: 110 MB a step, 11e9 / 110e6 = 100 tok/s bandwidth, 500 compute
+        {"system": "freetoken-fp32", "workload": "decode-1", "output_tokens_per_s": 80.0,
+         "machine": {"gemm_gflops": 500.0, "read_gb_s": 11.0}},
     ]
-    ratio, reps = cp.rep_bound_ratios(recs, bounds, "classify", "requests_per_s")
+    ratio, reps = pr.rep_bound_ratios(recs, bounds, "classify")
     assert reps == pytest.approx([60.0, 30.0, 45.0])
     assert ratio == pytest.approx(0.8)
-    ratio, reps = cp.rep_bound_ratios(recs, bounds, "decode", "output_tokens_per_s", 8)
-    assert reps == pytest.approx([250.0]) and ratio == pytest.approx(1.6)
-    ratio, reps = cp.rep_bound_ratios(recs, bounds, "decode", "output_tokens_per_s", 1)
-    assert ratio == pytest.approx(12.8)
-    assert cp.rep_bound_ratios(recs, bounds, "decode-1", "output_tokens_per_s") is None
+    assert pr.rep_bound_ratios(recs, bounds, "decode", "bandwidth") == \
+        pytest.approx((0.2, [2000.0]))
+    assert pr.rep_bound_ratios(recs, bounds, "decode", "compute") == pytest.approx((0.8, [500.0]))
+    assert pr.rep_bound_ratios(recs, bounds, "decode") == pytest.approx((0.8, [500.0]))
+    assert pr.rep_bound_ratios(recs, bounds, "decode-1") == pytest.approx((0.8, [100.0]))
+    assert pr.rep_bound_ratios(recs, bounds, "classify-multi") is None
+
+
+def test_a_column_shows_its_best_row_and_passive_rows_compete_for_none():
+    recs = [{"workload": "decode", "system": s, "column": c, "output_tokens_per_s": v,
+             "loadavg_before": [1.0]}
+            for s, c, v in [("llama-server-t1", "llama-server", 120.0),
+                            ("llama-server-t1", "llama-server", 126.0),
+                            ("llama-server-t2", "llama-server", 140.0),
+                            ("llama-server-t2", "llama-server", 150.0),
+                            ("llama-server-t2-passive", None, 300.0),
+                            ("freetoken-fp32", "freetoken-fp32", 600.0)]]
+    best = pr.best(pr.medians(recs))
+    assert best[("decode", "llama-server")][0] == "llama-server-t2"
+    assert best[("decode", "llama-server")][1]["output_tokens_per_s"] == 145.0
+    assert ("decode", None) not in best
+    report = pr.Report(recs, None, {}, {"started": "now", "reps": 2, "threads": 2}, 60.0)
+    rows = {b: c for a, b, c in report.ratio_rows(["decode"])}
+    assert rows["FreeToken fp32 / llama-server (best row: llama-server-t2)"] == \
+        pytest.approx(600 / 145)
+    assert "(4.14x)" in report.readme_summary()
+
+
+@pytest.mark.parametrize("leaked", ["OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT",
+                                    "KMP_BLOCKTIME", "MKL_NUM_THREADS"])
+def test_peers_run_in_their_default_environment(monkeypatch, leaked):
+    """A peer gets no thread-tuning variable from the benchmark's shell (scripts/test exports
+    OMP_WAIT_POLICY): llama-server at -t 1 and -t 2 and transformers run as their docs run
+    them; only the rows named -passive, and FreeToken (as scripts/serve runs it), set
+    OMP_WAIT_POLICY=PASSIVE."""
+    monkeypatch.setenv(leaked, "PASSIVE" if "POLICY" in leaked else "2")
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    systems = {s.name: s for s in cp.systems_for(2)}
+    for name in ("llama-server-t1", "llama-server-t2", "transformers"):
+        env = systems[name].env()
+        assert not [k for k in env if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))], name
+        assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is kept
+        assert systems[name].column is not None
+    for name in ("freetoken-fp32", "freetoken-bf16", "llama-server-t2-passive",
+                 "transformers-passive"):
+        env = systems[name].env()
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE", name
+        assert not [k for k in env if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))
+                    and k != "OMP_WAIT_POLICY"], name
+    assert systems["llama-server-t2-passive"].column is None
+    cmd = cp.server_command(systems["llama-server-t1"], "m.gguf", 9, "/x/llama-server", 4096)
+    assert cmd[:3] == ["/x/llama-server", "-m", "m.gguf"]
+    assert cmd[cmd.index("-t") + 1] == "1" and cmd[cmd.index("-tb") + 1] == "1"
+    assert not [a for a in cmd if "OMP" in a]
+    cmd = cp.server_command(systems["llama-server-t2"], "m.gguf", 9, "/x/llama-server", 4096)
+    assert cmd[cmd.index("-t") + 1] == "2"
+    # scripts/serve gives FreeToken OMP_WAIT_POLICY=PASSIVE, as its system row does
+    assert "OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}" in (ROOT / "scripts" / "serve").read_text()
 
 
 def test_percentile_matches_numpy_linear():
