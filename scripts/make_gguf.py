@@ -157,14 +157,14 @@ def write(path: str, shape: str, mix: str, seed: int = 0, tokenizer_from: str | 
         qtype = T.F32 if norm else tensor_type(mix, name, layer, s["layers"], s["tied"])
         plan.append((name, shp, qtype, norm))
         if norm or qtype in FLOAT_TYPES:
-            nbytes = int(np.prod(shp)) * np.dtype(FLOAT_TYPES[qtype]).itemsize
-        elif qtype == T.BF16:
-            nbytes = int(np.prod(shp)) * 2
-        else:
-            block, bb = GGML_QUANT_SIZES[qtype]
-            nbytes = shp[0] * shp[1] // block * bb
-        writer.add_tensor_info(name, list(shp), np.dtype(np.float32 if norm else np.uint8),
-                               nbytes, raw_dtype=qtype)
+            dtype = np.dtype(FLOAT_TYPES[T.F32 if norm else qtype])
+            info_shape, nbytes = list(shp), int(np.prod(shp)) * dtype.itemsize
+        else:  # raw bytes: the writer takes the shape in bytes, [out, bytes a row]
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            dtype = np.dtype(np.uint8)
+            info_shape = [shp[0], shp[1] // block * block_bytes]
+            nbytes = info_shape[0] * info_shape[1]
+        writer.add_tensor_info(name, info_shape, dtype, nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
