@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.kv_cache import BlockPool, ChainCursor, chain_hash, root_hash
+from freetoken.engine.kv_cache import BlockPool, ChainCursor, chain_hash, root_hash
 
 BS = 16
 

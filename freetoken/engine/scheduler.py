@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from freetoken.kv_cache import BlockPool
-from freetoken.sequence import Sequence, SequenceStatus, TokenLogprob
+from freetoken.engine.kv_cache import BlockPool
+from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
