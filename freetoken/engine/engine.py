@@ -10,6 +10,10 @@ through Sequence.append_token, frees KV) -> one delta per touched sequence to it
 NOTE: torch objects are touched only on the engine thread. Nothing in the step loop assumes CPU:
 tensors are created on the KV pool's device (the model's), and results reach the host only as
 token ids and logprob lists.
+
+Not here: who runs this step (scheduler.py), the tensors (runner.py), what a request gets back
+(outputs.py), the client-facing validation (protocol.py; _validate repeats the model-dependent
+checks against EngineLimits).
 """
 
 from __future__ import annotations
