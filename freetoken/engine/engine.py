@@ -12,8 +12,7 @@ tensors are created on the KV pool's device (the model's), and results reach the
 token ids and logprob lists.
 
 Not here: who runs this step (scheduler.py), the tensors (runner.py), what a request gets back
-(outputs.py), the client-facing validation (protocol.py; _validate repeats the model-dependent
-checks against EngineLimits).
+(outputs.py), the client-facing validation (protocol).
 """
 
 from __future__ import annotations
