@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log = logging.getLogger("freetoken")
     # NOTE: before torch is imported. Spinning OpenMP threads make small matmuls up to 100x
-    # slower on a shared CPU (measured: 16.9 vs 2.4 decode tok/s, generate.py); an explicit
+    # slower on a shared CPU (measured: 16.9 vs 2.4 decode tok/s, engine/generate.py); an explicit
     # OMP_WAIT_POLICY from the user wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
+from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import ContextTooLong, InvalidRequest
-from freetoken.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_STOP = 32

@@ -32,8 +32,8 @@ from bench_serve import DECODE_PROMPTS, PREFIX, reviews  # noqa: E402
 
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
+from freetoken.engine.sampling_params import SamplingParams  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
-from freetoken.sampling_params import SamplingParams  # noqa: E402
 
 
 def progress(msg: str) -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from freetoken.generate import build_forward_batch  # noqa: E402
+from freetoken.engine.generate import build_forward_batch  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
 
 BS = 16
