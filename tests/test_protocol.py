@@ -1,4 +1,4 @@
-"""protocol.py without a model: request validation, every refusal, and the response builders.
+"""freetoken.protocol without a model: request validation, every refusal, and the response builders.
 
 A byte-level fake tokenizer (ids 0..255 are bytes, 256 BOS, 257 EOS) keeps these tests exact and
 fast; the same refusals are checked over HTTP against SmolLM2 in test_server.py.
@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from freetoken import protocol, responses
+from freetoken.config import ServerConfig
 from freetoken.errors import ContextTooLong, InvalidRequest
+from freetoken.protocol import responses
+from freetoken.protocol.parse import parse_chat, parse_completion
 
 
 class FakeTokenizer:
@@ -85,7 +87,8 @@ LIM = Limits()
 
 
 def parse(body, tok=TOK, **kw):
-    return protocol.parse_completion(body, LIM, tok, **kw)
+    kw.setdefault("max_batch_prompts", ServerConfig.max_batch_prompts)
+    return parse_completion(body, LIM, tok, **kw)
 
 
 def refused(body, param, message=None, fn=parse):
@@ -336,7 +339,7 @@ def test_echo_requests_prompt_logprobs():
 
 
 def chat(body):
-    return protocol.parse_chat(body, LIM, TOK)
+    return parse_chat(body, LIM, TOK)
 
 
 def test_chat_parse():
