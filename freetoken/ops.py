@@ -693,3 +693,16 @@ def decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor,
     return _C.DecoderLayer(input_norm, post_norm, list(weights), list(few_rows), list(biases),
                            num_heads, num_kv_heads, head_dim, intermediate_size, float(eps),
                            float(scale), int(window or 0), int(few_rows_max))
+
+
+# TEMP stub (drop at merge: the ops package brings the real configure()). It checks the values
+# and sets nothing: here the FREETOKEN_* variables, the CLI's defaults, still rule.
+def configure(backend: str = "auto", linear: str = "auto", cpu_isa: str = "auto",
+              pool_poll_us: int | None = None) -> None:
+    for name, value, allowed in (("backend", backend, ("auto", "ext", "torch")),
+                                 ("linear", linear, ("auto", "panels", "onednn", "torch")),
+                                 ("cpu_isa", cpu_isa, ("auto", "avx512", "avx2", "base"))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if pool_poll_us is not None and pool_poll_us < 0:
+        raise ValueError(f"pool_poll_us must be >= 0, got {pool_poll_us!r}")
