@@ -36,10 +36,9 @@ _DEFAULT_MAX_TOKENS = CompletionRequest.model_fields["max_tokens"].default
 
 
 def _check_unsupported(req: BaseModel) -> None:
-    neutral_only = neutral_only_fields(type(req))
-    for name in req.model_fields_set:
-        neutral = neutral_only.get(name)
-        if neutral is not None and getattr(req, name) not in neutral:
+    sent = req.model_fields_set
+    for name, neutral in neutral_only_fields(type(req)).items():  # in declaration order
+        if name in sent and getattr(req, name) not in neutral:
             raise InvalidRequest(f"{name} is not supported", param=name)
 
 
