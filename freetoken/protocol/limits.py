@@ -59,6 +59,11 @@ def check_token_ids(
         raise InvalidRequest(
             f"{where} holds {len(ids)} token ids, more than the maximum of {max_len}", param=where
         )
+    # NOTE: every prompt id passes here twice (protocol, engine), on the event loop: the common
+    # case is decided by C-level passes, the loop below only names the first bad id.
+    hi = vocab_size if vocab_size is not None else math.inf
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < hi:
+        return
     for i, t in enumerate(ids):
         if not is_int(t):
             raise InvalidRequest(f"{where}[{i}] is not an integer token id", param=f"{where}[{i}]")
