@@ -267,7 +267,7 @@ def test_every_neutral_only_field_is_refused_otherwise(name):
     for value in neutral:
         parse({"prompt": "a", name: value})
     unsupported = 0
-    for value in (True, 7, 7.5, "x", {"a": 1}, ["x"]):
+    for value in (True, False, 7, 7.5, "x", {"a": 1}, ["x"]):
         if value in neutral:
             continue
         with pytest.raises(InvalidRequest) as ei:  # a wrong type, or "not supported"
