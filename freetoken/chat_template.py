@@ -11,7 +11,7 @@ with `add_special_tokens=False`, or the prompt starts with two BOS (as transform
 `apply_chat_template(tokenize=True)` does).
 
 Not here: which template a model has (tokenizer/) and the request's message validation
-(protocol.py).
+(freetoken.protocol).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from freetoken import protocol
+from freetoken.protocol.parse import ParsedRequest, parse_chat, parse_completion
 
 
 def _sampling_dict(params) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def _sampling_dict(params) -> dict[str, Any]:
     return out
 
 
-def _stream_options(parsed: protocol.ParsedRequest) -> dict | None:
+def _stream_options(parsed: ParsedRequest) -> dict | None:
     opts = getattr(parsed.request, "stream_options", None)
     return opts.model_dump() if opts is not None else None
 
@@ -84,7 +84,7 @@ class _ScaleOut:
     async def completions_render(self, request: Request) -> Response:
         h = self.h
         body = await h._json(request)
-        parsed = protocol.parse_completion(
+        parsed = parse_completion(
             body, h.limits, h.tok, max_batch_prompts=h.max_batch_prompts
         )
         h._check_model(parsed.model)
@@ -112,7 +112,7 @@ class _ScaleOut:
     async def chat_render(self, request: Request) -> Response:
         h = self.h
         body = await h._json(request)
-        parsed = protocol.parse_chat(body, h.limits, h.tok)
+        parsed = parse_chat(body, h.limits, h.tok)
         h._check_model(parsed.model)
         return JSONResponse(
             {

@@ -4,7 +4,7 @@ What it does: routes of SPEC.md, SSE streaming, `--api-key`, CORS (only with
 `--allowed-origins`), metrics, one log line per request, and rendering every error once, in the
 OpenAI shape. Reliability (docs/reliability.md): every generation request is watched for its
 deadline (`--request-timeout`) and for the engine loop's death, and is aborted -- its KV freed --
-when it times out, fails or its client leaves. What it does not: validation (protocol.py) or
+when it times out, fails or its client leaves. What it does not: validation (freetoken.protocol) or
 anything with tensors (the engine thread). No route reads or writes a file.
 """
 
@@ -31,7 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from freetoken import __version__, protocol, responses
+from freetoken import __version__
+from freetoken.config import ServerConfig
 from freetoken.errors import (
     BodyTooLarge,
     EngineDead,
@@ -43,10 +44,23 @@ from freetoken.errors import (
     Unauthorized,
 )
 from freetoken.metrics import Metrics
+from freetoken.protocol import responses
+from freetoken.protocol.parse import (
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from freetoken.protocol.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger("freetoken.server")
 
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Bodies larger than this are decoded and validated on a worker thread, so one big request does
 # not stall the event loop (every other request's I/O, and the 503s of a full queue).
 OFF_LOOP_BYTES = 64 * 1024
@@ -188,12 +202,12 @@ class _Handlers:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _parse(self, raw: bytes, chat: bool) -> protocol.ParsedRequest:
+    def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
         body = _decode_json(raw)
         if chat:
-            parsed = protocol.parse_chat(body, self.limits, self.tok)
+            parsed = parse_chat(body, self.limits, self.tok)
         else:
-            parsed = protocol.parse_completion(
+            parsed = parse_completion(
                 body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
             )
         self._check_model(parsed.model)
@@ -237,7 +251,7 @@ class _Handlers:
             stream = await stream
         return stream
 
-    async def _start(self, parsed: protocol.ParsedRequest, rid: str, chat: bool):
+    async def _start(self, parsed: ParsedRequest, rid: str, chat: bool):
         """Submit prompts x n engine requests up front, so a refusal is still an HTTP error."""
         jobs = []
         state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
@@ -477,11 +491,11 @@ class _Handlers:
         body = await self._json(request)
         if isinstance(body, dict):
             self._check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-        return JSONResponse(protocol.parse_tokenize(body, self.limits, self.tok))
+        return JSONResponse(parse_tokenize(body, self.limits, self.tok))
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._json(request)
-        ids = protocol.parse_detokenize(body, self.limits)
+        ids = parse_detokenize(body, self.limits)
         self._check_model(body.get("model"))
         return JSONResponse({"prompt": self.tok.decode(ids, skip_special_tokens=False)})
 
@@ -581,10 +595,10 @@ async def _wait_disconnect(request: Request) -> None:
 
 def openapi_document() -> dict:
     models = [
-        protocol.CompletionRequest,
-        protocol.ChatCompletionRequest,
-        protocol.TokenizeRequest,
-        protocol.DetokenizeRequest,
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
     ]
     refs, schema = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
@@ -644,10 +658,10 @@ def openapi_document() -> dict:
         "openapi": "3.1.0",
         "info": {"title": "FreeToken", "version": __version__},
         "paths": {
-            "/v1/completions": post(protocol.CompletionRequest, "Text completion"),
-            "/v1/chat/completions": post(protocol.ChatCompletionRequest, "Chat completion"),
-            "/tokenize": post(protocol.TokenizeRequest, "Tokenize a prompt or messages"),
-            "/detokenize": post(protocol.DetokenizeRequest, "Detokenize token ids"),
+            "/v1/completions": post(CompletionRequest, "Text completion"),
+            "/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
+            "/tokenize": post(TokenizeRequest, "Tokenize a prompt or messages"),
+            "/detokenize": post(DetokenizeRequest, "Detokenize token ids"),
             "/v1/models": get("The served model"),
             "/tokenizer_info": get("Tokenizer facts"),
             "/health": get("Liveness"),
@@ -664,8 +678,8 @@ def create_app(
     *,
     served_model_name: str = "SmolLM2-135M-Instruct",
     api_key: str | Sequence[str] | None = None,
-    max_batch_prompts: int = 64,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_batch_prompts: int = ServerConfig.max_batch_prompts,
+    max_body_bytes: int = ServerConfig.max_body_bytes,
     request_timeout_s: float | None = None,
     allowed_origins: Sequence[str] = (),
 ) -> Starlette:

@@ -37,7 +37,8 @@ from freetoken.engine.sampler import Sampler
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
-from freetoken.errors import ContextTooLong, EngineDead, InvalidRequest, Overloaded
+from freetoken.errors import EngineDead, InvalidRequest, Overloaded
+from freetoken.protocol import limits
 
 logger = logging.getLogger("freetoken.engine")
 
@@ -171,26 +172,7 @@ class Engine:
 
     def _validate(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         ids = list(prompt_ids)
-        lim = self.limits
-        if not ids:
-            raise InvalidRequest("an empty token-id array cannot be evaluated", param="prompt")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
-                raise InvalidRequest(f"prompt[{i}] = {t!r} is outside the vocabulary "
-                                     f"(0..{lim.vocab_size - 1})", param=f"prompt[{i}]")
-        if len(ids) + params.max_tokens > lim.max_model_len:
-            raise ContextTooLong(f"You passed {len(ids)} input tokens and requested "
-                                 f"{params.max_tokens} output tokens; the context is "
-                                 f"{lim.max_model_len}", param="max_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > lim.max_logprobs:
-                raise InvalidRequest(f"Requested {name} of {v}, which is greater than max "
-                                     f"allowed: {lim.max_logprobs}", param=name)
-        for t in params.token_ids_referenced():
-            if not 0 <= t < lim.vocab_size:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary "
-                                     f"(0..{lim.vocab_size - 1})")
+        limits.check_request(ids, params, self.limits)
         return ids
 
     # -- sync API ---------------------------------------------------------------------------
