@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from freetoken.api import create_app
+    from freetoken.api.loading import LoadingServer
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.loader import default_model_path, load_model
-    from freetoken.loading import LoadingServer
-    from freetoken.server import create_app
 
     try:
         config = EngineConfig(

@@ -64,10 +64,10 @@ def get_server() -> Server:
     import torch
     import uvicorn
 
+    from freetoken.api import create_app
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.loader import load_model
-    from freetoken.server import create_app
 
     torch.set_num_threads(1)
     loaded = load_model(None, dtype=torch.float32, device="cpu")

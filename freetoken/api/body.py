@@ -1,0 +1,88 @@
+"""What every POST body goes through before protocol.py sees it: the size limit, JSON decoding,
+the lone-surrogate check, and the `model` field against the served model name.
+
+What it is not: request validation (protocol.py checks fields, types and ranges against the
+model's limits); nothing here knows a field other than `model`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import Request
+
+from freetoken.errors import BodyTooLarge, InvalidRequest, NotFound
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The raw body; a 413 as soon as it is known to exceed `max_body_bytes` (from the
+    Content-Length header, else while it streams in)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        raise BodyTooLarge(f"The request body exceeds {max_body_bytes} bytes.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise BodyTooLarge(f"The request body exceeds {max_body_bytes} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_body_bytes: int) -> Any:
+    return decode_json(await read_body(request, max_body_bytes))
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # NOTE: only JSON escapes can smuggle in a lone one
+        _check_surrogates(body)
+    return body
+
+
+def check_model(model: str | None, served_model_name: str) -> None:
+    """A 404 for a `model` other than the one served; None (the field left out) is accepted."""
+    if model is not None and model != served_model_name:
+        raise NotFound(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+def _check_surrogates(body: Any) -> None:
+    """A lone UTF-16 surrogate ("\\ud800") is valid JSON but not Unicode text: it cannot be
+    tokenized or even written back in an error message. A 400 naming where it is."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                name = f"{where}.{k}" if where else str(k)
+                if not _is_utf8(k):
+                    raise InvalidRequest(
+                        "A field name holds a lone UTF-16 surrogate, which is not valid Unicode",
+                        param=where or None,
+                    )
+                stack.append((v, name))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str) and not _is_utf8(value):
+            raise InvalidRequest(
+                f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode", param=where
+            )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
