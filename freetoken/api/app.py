@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from freetoken.api.body import DEFAULT_MAX_BODY_BYTES
+from freetoken.api.body import DEFAULT_MAX_BODY_BYTES, BodyReader
 from freetoken.api.engine_client import EngineClient
 from freetoken.api.generation import Generation
 from freetoken.api.info import InfoRoutes
@@ -38,23 +38,16 @@ def create_app(
     allowed_origins: CORS origins ("*" for any); empty: no CORS headers at all."""
     metrics = Metrics(engine, served_model_name)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-    gen = Generation(
-        engine,
-        served_model_name=served_model_name,
-        max_batch_prompts=max_batch_prompts,
-        max_body_bytes=max_body_bytes,
-        metrics=metrics,
-        request_timeout_s=request_timeout_s,
-    )
-    info = InfoRoutes(
-        engine, served_model_name=served_model_name, max_body_bytes=max_body_bytes, metrics=metrics
-    )
-    scaleout = ScaleOut(  # render endpoints, load reports
-        engine,
+    reader = BodyReader(
+        tokenizer=engine.tokenizer,
+        limits=engine.limits,
         served_model_name=served_model_name,
         max_batch_prompts=max_batch_prompts,
         max_body_bytes=max_body_bytes,
     )
+    gen = Generation(engine, reader, metrics=metrics, request_timeout_s=request_timeout_s)
+    info = InfoRoutes(engine, reader, metrics=metrics)
+    scaleout = ScaleOut(engine, reader)  # render endpoints, load reports
     routes = [
         Route("/v1/completions", gen.completions, methods=["POST"]),
         Route("/v1/chat/completions", gen.chat_completions, methods=["POST"]),

@@ -1,5 +1,6 @@
-"""What every POST body goes through before protocol.py sees it: the size limit, JSON decoding,
-the lone-surrogate check, and the `model` field against the served model name.
+"""What every POST body goes through: the size limit, JSON decoding, the lone-surrogate check,
+then protocol.py's parsing and the `model` field against the served model name -- the same for
+every route that takes a body (generation, render, tokenize).
 
 What it is not: request validation (protocol.py checks fields, types and ranges against the
 model's limits); nothing here knows a field other than `model`.
@@ -9,34 +10,69 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
+from freetoken import protocol
 from freetoken.errors import BodyTooLarge, InvalidRequest, NotFound
+
+if TYPE_CHECKING:
+    from freetoken.engine import EngineLimits
+    from freetoken.tokenizer import Tokenizer
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-async def read_body(request: Request, max_body_bytes: int) -> bytes:
-    """The raw body; a 413 as soon as it is known to exceed `max_body_bytes` (from the
-    Content-Length header, else while it streams in)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_body_bytes:
-        raise BodyTooLarge(f"The request body exceeds {max_body_bytes} bytes.")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise BodyTooLarge(f"The request body exceeds {max_body_bytes} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
+@dataclass(frozen=True)
+class BodyReader:
+    """Reads the POST bodies of one served model."""
 
+    tokenizer: Tokenizer
+    limits: EngineLimits
+    served_model_name: str
+    max_batch_prompts: int
+    max_body_bytes: int
 
-async def read_json(request: Request, max_body_bytes: int) -> Any:
-    return decode_json(await read_body(request, max_body_bytes))
+    async def read(self, request: Request) -> bytes:
+        """The raw body; a 413 as soon as it is known to exceed `max_body_bytes` (from the
+        Content-Length header, else while it streams in)."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BodyTooLarge(f"The request body exceeds {limit} bytes.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"The request body exceeds {limit} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def read_json(self, request: Request) -> Any:
+        return decode_json(await self.read(request))
+
+    def parse_generation(self, body: Any, chat: bool) -> protocol.ParsedRequest:
+        """A decoded /v1/completions or /v1/chat/completions body, parsed as the engine will
+        see it (the render routes answer with exactly this)."""
+        if chat:
+            parsed = protocol.parse_chat(body, self.limits, self.tokenizer)
+        else:
+            parsed = protocol.parse_completion(
+                body, self.limits, self.tokenizer, max_batch_prompts=self.max_batch_prompts
+            )
+        self.check_model(parsed.model)
+        return parsed
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 for a `model` other than the one served; None (the field left out) passes."""
+        if model is not None and model != self.served_model_name:
+            raise NotFound(
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
 
 
 def decode_json(raw: bytes) -> Any:
@@ -47,14 +83,6 @@ def decode_json(raw: bytes) -> Any:
     if _SURROGATE_ESCAPE.search(raw):  # NOTE: only JSON escapes can smuggle in a lone one
         _check_surrogates(body)
     return body
-
-
-def check_model(model: str | None, served_model_name: str) -> None:
-    """A 404 for a `model` other than the one served; None (the field left out) is accepted."""
-    if model is not None and model != served_model_name:
-        raise NotFound(
-            f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
 
 
 def _check_surrogates(body: Any) -> None:

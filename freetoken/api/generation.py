@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from freetoken import protocol, responses
-from freetoken.api.body import check_model, decode_json, read_body
+from freetoken.api.body import BodyReader, decode_json
 from freetoken.api.engine_client import EngineClient
 from freetoken.api.metrics import Metrics
 from freetoken.api.middleware import ClientGone, access_log
@@ -67,19 +67,14 @@ class Generation:
     def __init__(
         self,
         engine: EngineClient,
+        reader: BodyReader,
         *,
-        served_model_name: str,
-        max_batch_prompts: int,
-        max_body_bytes: int,
         metrics: Metrics,
         request_timeout_s: float | None = None,
     ):
         self.engine = engine
-        self.tok = engine.tokenizer
-        self.limits = engine.limits
-        self.model_name = served_model_name
-        self.max_batch_prompts = max_batch_prompts
-        self.max_body_bytes = max_body_bytes
+        self.reader = reader
+        self.model_name = reader.served_model_name
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s or None
         # engine requests one HTTP request may hold (prompts x n): more could never be queued
@@ -105,14 +100,7 @@ class Generation:
     # ---- submit ------------------------------------------------------------------------------
 
     def _parse(self, raw: bytes, chat: bool) -> protocol.ParsedRequest:
-        body = decode_json(raw)
-        if chat:
-            parsed = protocol.parse_chat(body, self.limits, self.tok)
-        else:
-            parsed = protocol.parse_completion(
-                body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
-            )
-        check_model(parsed.model, self.model_name)
+        parsed = self.reader.parse_generation(decode_json(raw), chat)
         num_jobs = len(parsed.prompts) * parsed.n
         if num_jobs > self.max_queue_len:
             raise InvalidRequest(
@@ -126,6 +114,7 @@ class Generation:
         """Submit prompts x n engine requests up front, so a refusal is still an HTTP error."""
         jobs: list[ChoiceJob] = []
         state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
+        tok = self.reader.tokenizer
         try:
             for i, prompt in enumerate(parsed.prompts):
                 for j in range(parsed.n):
@@ -135,7 +124,7 @@ class Generation:
                         prompt.ids, parsed.choice_params(j), request_id=erid
                     )
                     self.inflight.add(erid)
-                    jobs.append(ChoiceJob(index, erid, stream, state_cls(self.tok, parsed, prompt)))
+                    jobs.append(ChoiceJob(index, erid, stream, state_cls(tok, parsed, prompt)))
         except BaseException:
             for job in jobs:
                 self.engine.abort(job.request_id)
@@ -146,7 +135,7 @@ class Generation:
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
         rid = ("chatcmpl-" if chat else "cmpl-") + access_log(request)["id"]
-        raw = await read_body(request, self.max_body_bytes)
+        raw = await self.reader.read(request)
         if len(raw) > OFF_LOOP_BYTES:
             parsed = await asyncio.to_thread(self._parse, raw, chat)
         else:

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken import __version__, protocol
-from freetoken.api.body import check_model, read_json
+from freetoken.api.body import BodyReader
 from freetoken.api.engine_client import EngineClient
 from freetoken.api.metrics import Metrics
 from freetoken.api.middleware import error_response
@@ -21,14 +21,12 @@ from freetoken.errors import EngineDead
 
 
 class InfoRoutes:
-    def __init__(
-        self, engine: EngineClient, *, served_model_name: str, max_body_bytes: int, metrics: Metrics
-    ):
+    def __init__(self, engine: EngineClient, reader: BodyReader, *, metrics: Metrics):
         self.engine = engine
-        self.tok = engine.tokenizer
-        self.limits = engine.limits
-        self.model_name = served_model_name
-        self.max_body_bytes = max_body_bytes
+        self.reader = reader
+        self.tok = reader.tokenizer
+        self.limits = reader.limits
+        self.model_name = reader.served_model_name
         self.metrics = metrics
         self.created = int(time.time())
 
@@ -49,16 +47,16 @@ class InfoRoutes:
         )
 
     async def tokenize(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
+        body = await self.reader.read_json(request)
         if isinstance(body, dict):
             model = body.get("model")
-            check_model(model if isinstance(model, str) else None, self.model_name)
+            self.reader.check_model(model if isinstance(model, str) else None)
         return JSONResponse(protocol.parse_tokenize(body, self.limits, self.tok))
 
     async def detokenize(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
+        body = await self.reader.read_json(request)
         ids = protocol.parse_detokenize(body, self.limits)
-        check_model(body.get("model"), self.model_name)
+        self.reader.check_model(body.get("model"))
         return JSONResponse({"prompt": self.tok.decode(ids, skip_special_tokens=False)})
 
     async def tokenizer_info(self, request: Request) -> Response:

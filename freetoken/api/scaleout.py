@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken import protocol
-from freetoken.api.body import check_model, read_json
+from freetoken.api.body import BodyReader
 from freetoken.api.engine_client import EngineClient
 
 
@@ -81,23 +81,12 @@ def load_report(engine: EngineClient) -> dict[str, Any]:
 
 
 class ScaleOut:
-    """The routes above over one engine and the settings of the generation routes, so a render
-    is validated exactly as the generation request would be."""
+    """The routes above over one engine; a render reads its body with the generation routes'
+    reader, so it is validated exactly as the generation request would be."""
 
-    def __init__(
-        self,
-        engine: EngineClient,
-        *,
-        served_model_name: str,
-        max_batch_prompts: int,
-        max_body_bytes: int,
-    ):
+    def __init__(self, engine: EngineClient, reader: BodyReader):
         self.engine = engine
-        self.tok = engine.tokenizer
-        self.limits = engine.limits
-        self.model_name = served_model_name
-        self.max_batch_prompts = max_batch_prompts
-        self.max_body_bytes = max_body_bytes
+        self.reader = reader
 
     def routes(self) -> list[Route]:
         return [
@@ -109,25 +98,21 @@ class ScaleOut:
         ]
 
     async def completions_render(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
-        parsed = protocol.parse_completion(
-            body, self.limits, self.tok, max_batch_prompts=self.max_batch_prompts
-        )
-        check_model(parsed.model, self.model_name)
+        parsed = self.reader.parse_generation(await self.reader.read_json(request), chat=False)
         rid = "cmpl-" + uuid.uuid4().hex
         sampling = _sampling_dict(parsed.params)
         out = []
         for i, prompt in enumerate(parsed.prompts):
             text = prompt.text
             if text is None:
-                text = self.tok.decode(prompt.ids, skip_special_tokens=False)
+                text = self.reader.tokenizer.decode(prompt.ids, skip_special_tokens=False)
             out.append(
                 {
                     "request_id": f"{rid}-{i}",
                     "prompt": text,
                     "prompt_token_ids": list(prompt.ids),
                     "token_ids": list(prompt.ids),
-                    "model": self.model_name,
+                    "model": self.reader.served_model_name,
                     "sampling_params": sampling,
                     "stream": parsed.stream,
                     "stream_options": _stream_options(parsed),
@@ -136,14 +121,12 @@ class ScaleOut:
         return JSONResponse(out)
 
     async def chat_render(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
-        parsed = protocol.parse_chat(body, self.limits, self.tok)
-        check_model(parsed.model, self.model_name)
+        parsed = self.reader.parse_generation(await self.reader.read_json(request), chat=True)
         return JSONResponse(
             {
                 "request_id": "chatcmpl-" + uuid.uuid4().hex,
                 "token_ids": list(parsed.prompts[0].ids),
-                "model": self.model_name,
+                "model": self.reader.served_model_name,
                 "sampling_params": _sampling_dict(parsed.params),
                 "stream": parsed.stream,
                 "stream_options": _stream_options(parsed),
