@@ -62,6 +62,20 @@ _ENGINE_COUNTERS = {
     "step_errors_total": ("freetoken_engine_step_errors", "Engine steps that raised"),
 }
 
+# engine.stats() key -> (vLLM's name, help); counters without _total (the client library adds it)
+_VLLM_REQUEST_GAUGES = {
+    "num_running": ("vllm:num_requests_running", "Number of requests in model execution batches."),
+    "num_waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+}
+_VLLM_COUNTERS = {
+    "prompt_tokens_total": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens_total": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "num_preemptions": (
+        "vllm:num_preemptions",
+        "Cumulative number of preemptions from the engine.",
+    ),
+}
+
 
 def vllm_families(stats: dict, model_name: str):
     """engine.stats() under vLLM's names. Both spellings vLLM has shipped are exported: V1's
@@ -84,16 +98,8 @@ def vllm_families(stats: dict, model_name: str):
     used = float(stats["kv_blocks_used"])
     total = float(stats["kv_blocks_total"])
     usage = used / total if total > 0 else 0.0
-    yield gauge(
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        float(stats["num_running"]),
-    )
-    yield gauge(
-        "vllm:num_requests_waiting",
-        "Number of requests waiting to be processed.",
-        float(stats["num_waiting"]),
-    )
+    for key, (name, doc) in _VLLM_REQUEST_GAUGES.items():
+        yield gauge(name, doc, float(stats[key]))
     yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
     yield gauge(
         "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (V0 name).", usage
@@ -103,21 +109,8 @@ def vllm_families(stats: dict, model_name: str):
     for prefix in ("vllm:prefix_cache", "vllm:gpu_prefix_cache"):
         yield counter(f"{prefix}_queries", "Prefix cache queries, in terms of tokens.", queries)
         yield counter(f"{prefix}_hits", "Prefix cache hits, in terms of tokens.", hits)
-    yield counter(
-        "vllm:prompt_tokens",
-        "Number of prefill tokens processed.",
-        float(stats["prompt_tokens_total"]),
-    )
-    yield counter(
-        "vllm:generation_tokens",
-        "Number of generation tokens processed.",
-        float(stats["generation_tokens_total"]),
-    )
-    yield counter(
-        "vllm:num_preemptions",
-        "Cumulative number of preemptions from the engine.",
-        float(stats["num_preemptions"]),
-    )
+    for key, (name, doc) in _VLLM_COUNTERS.items():
+        yield counter(name, doc, float(stats[key]))
 
 
 class _EngineCollector:
