@@ -626,6 +626,13 @@ def test_disconnect_aborts(srv, stream):
 # ---- failures that are FreeToken's, not the client's ----------------------------------------
 
 
+def test_engine_is_an_engine_client(srv):
+    from freetoken.api.engine_client import EngineClient, EngineSettings
+
+    assert isinstance(srv.engine, EngineClient)  # every member the edge calls is there
+    assert isinstance(srv.engine.config, EngineSettings)
+
+
 @pytest.fixture
 def patched_submit(srv):
     orig = srv.engine.submit

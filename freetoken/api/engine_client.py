@@ -1,8 +1,9 @@
 """What the HTTP edge needs from the engine, written down as one Protocol.
 
-`freetoken.engine.Engine` is the one implementation; tests that replace a method (a failing
-`submit`, a dead `is_alive`) replace it with something of the same shape. The edge calls these
-members directly and nothing else of the engine: if a route needs more, it is added here first.
+`freetoken.engine.Engine` is the one implementation (tests/test_server.py checks it has every
+member named here); tests that replace a method (a failing `submit`, a dead `is_alive`) replace it
+with something of the same shape. The edge calls these members directly and nothing else of the
+engine: if a route needs more, it is added here first.
 
 What it is not: the engine's own interface (start, shutdown, generate and the step loop belong to
 the CLI, tests and benchmarks, not to the edge).
@@ -11,7 +12,7 @@ the CLI, tests and benchmarks, not to the edge).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from freetoken.engine import EngineLimits
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from freetoken.tokenizer import Tokenizer
 
 
+@runtime_checkable
 class EngineSettings(Protocol):
     """The two settings of the engine's config that the edge reads."""
 
@@ -30,6 +32,7 @@ class EngineSettings(Protocol):
     def block_size(self) -> int: ...  # KV tokens per block: the load reports count tokens
 
 
+@runtime_checkable
 class EngineClient(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...  # parsing, /tokenize, /detokenize, choice text
