@@ -110,7 +110,7 @@ class Generation:
             )
         return parsed
 
-    async def _start(self, parsed: protocol.ParsedRequest, rid: str, chat: bool) -> list[ChoiceJob]:
+    def _start(self, parsed: protocol.ParsedRequest, rid: str, chat: bool) -> list[ChoiceJob]:
         """Submit prompts x n engine requests up front, so a refusal is still an HTTP error."""
         jobs: list[ChoiceJob] = []
         state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
@@ -140,7 +140,7 @@ class Generation:
             parsed = await asyncio.to_thread(self._parse, raw, chat)
         else:
             parsed = self._parse(raw, chat)
-        jobs = await self._start(parsed, rid, chat)
+        jobs = self._start(parsed, rid, chat)
         if parsed.stream:
             unfinished = {job.request_id for job in jobs}
             # NOTE: a client gone before the body starts never runs the generator's `finally`;
