@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from freetoken import ops
+    from freetoken.api import create_app
+    from freetoken.api.loading import LoadingServer
     from freetoken.engine import Engine
     from freetoken.loader import default_model_path, load_model
-    from freetoken.loading import LoadingServer
-    from freetoken.server import create_app
 
     try:  # before the model loads: the linear layers are packed for the kernels chosen here
         ops.configure(

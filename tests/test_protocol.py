@@ -614,7 +614,7 @@ def test_usage_dict():
 
 
 def test_openapi_schemas_are_the_models():
-    from freetoken.server import openapi_document
+    from freetoken.api.openapi import openapi_document
 
     doc = openapi_document()
     comp = doc["components"]["schemas"]["CompletionRequest"]

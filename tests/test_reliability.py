@@ -45,9 +45,9 @@ class Live:
     def __init__(self, loaded, engine: dict | None = None, **app_kw):
         import uvicorn
 
+        from freetoken.api import create_app
         from freetoken.config import EngineConfig
         from freetoken.engine import Engine
-        from freetoken.server import create_app
 
         self.engine = Engine(EngineConfig(**{**BASE_ENGINE, **(engine or {})}), loaded).start()
         app_kw.setdefault("served_model_name", MODEL)

@@ -64,10 +64,10 @@ def get_server() -> Server:
     import torch
     import uvicorn
 
+    from freetoken.api import create_app
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.loader import load_model
-    from freetoken.server import create_app
 
     torch.set_num_threads(1)
     loaded = load_model(None, dtype=torch.float32, device="cpu")
@@ -624,6 +624,13 @@ def test_disconnect_aborts(srv, stream):
 
 
 # ---- failures that are FreeToken's, not the client's ----------------------------------------
+
+
+def test_engine_is_an_engine_client(srv):
+    from freetoken.api.engine_client import EngineClient, EngineSettings
+
+    assert isinstance(srv.engine, EngineClient)  # every member the edge calls is there
+    assert isinstance(srv.engine.config, EngineSettings)
 
 
 @pytest.fixture
