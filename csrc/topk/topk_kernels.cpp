@@ -1,25 +1,36 @@
-// The dense kernel for avx512; the body is cpu_kernel_impl.h (see there).
-#if defined(__x86_64__)
+// The top-k dense kernel's three variants: topk_kernel.h compiled once per ISA, each time with its
+// target attribute on every function (FT_ISA_FN; see common/isa.h) and in its own namespace.
+#include "common/isa.h"
+#include "topk/topk.h"
+
+#if FT_HAS_ISA_VARIANTS
 #include <immintrin.h>
-#endif
 
-#include "ops.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2,popcnt")
 #define FT_ISA_NS isa_avx512
 #define FT_ISA_NAME "avx512"
 #define FT_ISA_LEVEL 2
-#include "cpu_kernel_impl.h"
-#pragma GCC pop_options
-#else
-// Other compilers / architectures: this ISA is absent and never chosen.
-namespace freetoken {
-namespace isa_avx512 {
-IsaKernels kernels() { return IsaKernels{"avx512", nullptr, nullptr}; }
-bool compiled() { return false; }
-}  // namespace isa_avx512
-}  // namespace freetoken
+#define FT_ISA_FN FT_TARGET_AVX512
+#include "topk/topk_kernel.h"
+#undef FT_ISA_NS
+#undef FT_ISA_NAME
+#undef FT_ISA_LEVEL
+#undef FT_ISA_FN
+
+#define FT_ISA_NS isa_avx2
+#define FT_ISA_NAME "avx2"
+#define FT_ISA_LEVEL 1
+#define FT_ISA_FN FT_TARGET_AVX2
+#include "topk/topk_kernel.h"
+#undef FT_ISA_NS
+#undef FT_ISA_NAME
+#undef FT_ISA_LEVEL
+#undef FT_ISA_FN
 #endif
+
+// Any CPU (no ISA assumption beyond the compiler's default): GCC vector extensions lower the body
+// to whatever the target has.
+#define FT_ISA_NS isa_base
+#define FT_ISA_NAME "base"
+#define FT_ISA_LEVEL 0
+#define FT_ISA_FN
+#include "topk/topk_kernel.h"
