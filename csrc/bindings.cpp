@@ -1,11 +1,14 @@
-// freetoken._C: the Python surface. freetoken/ops.py is its only importer.
+// freetoken._C: the Python surface. freetoken/ops/ is its only importer.
 #include <torch/extension.h>
 
-#include "decoder_layer_cpu.h"
-#include "linear_cpu.h"
-#include "ops.h"
-#include "ops_torch.h"
-#include "paged_attention_cpu.h"
+#include "attention/paged_attention_cpu.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "decoder_layer/decoder_layer_cpu.h"
+#include "elementwise/elementwise_cpu.h"
+#include "linear/linear_cpu.h"
+#include "topk/topk.h"
+#include "topk/topk_torch.h"
 
 namespace {
 
@@ -75,7 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("cos"), py::arg("sin"));
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
-  m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");
+  m.def("set_cpu_isa", &freetoken::set_cpu_isa,
+        "force auto/avx512/avx2/base (freetoken.ops.configure(cpu_isa=...))");
+  m.def("set_pool_poll_us", &freetoken::TaskPool::set_poll_us,
+        "how long the kernels' pool polls before it sleeps (freetoken.ops.configure)",
+        py::arg("us"));
   m.attr("max_k") = freetoken::kMaxK;
   m.def("panel_pack", &freetoken::panel_pack_cpu,
         "CPU: W [N, K] fp32 -> the packed panels (1-D fp32, a header then [N/16, K, 16])",
