@@ -6,6 +6,7 @@
 #include "common/task_pool.h"
 #include "decoder_layer/decoder_layer_cpu.h"
 #include "elementwise/elementwise_cpu.h"
+#include "linear/gguf_dequant.h"
 #include "linear/linear_cpu.h"
 #include "topk/topk.h"
 #include "topk/topk_torch.h"
@@ -90,6 +91,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &freetoken::gguf_pack_cpu,
         "CPU: GGUF Q4_1 / Q8_0 rows [N, K/32 * block bytes] uint8 -> packed panels (1-D uint8)",
         py::arg("blocks"), py::arg("type"), py::arg("K"));
+  m.def("gguf_dequantize", &freetoken::gguf_dequantize_cpu,
+        "CPU: GGUF rows [N, K/block * block bytes] uint8 of a type -> [N, K] fp32, exactly the "
+        "gguf package's dequantize", kNoGil, py::arg("rows"), py::arg("type"), py::arg("K"));
+  m.def("gguf_dequantize_types", &freetoken::gguf_dequantize_types,
+        "the GGUF types gguf_dequantize takes");
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
   py::class_<freetoken::DecoderLayerCpu>(

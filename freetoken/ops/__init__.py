@@ -7,6 +7,7 @@ pure-torch twin in the same module, one module per op family.
     attention.py      paged_attention over the KV pool (the twin: model/attention.py's SDPA path)
     elementwise.py    rms_norm, silu_mul, rope_ + twins
     linear.py         panel linear over packed fp32 / bf16 / GGUF-block weights (no twin)
+    gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package)
     decoder_layer.py  one Llama decoder layer as one C++ call
 
 Importing loads freetoken._C (a stale build is an ImportError); nothing here reads the
@@ -28,6 +29,7 @@ from freetoken.ops.backend import (
 )
 from freetoken.ops.decoder_layer import decoder_layer, decoder_layer_available
 from freetoken.ops.elementwise import fused_elementwise_available, rms_norm, rope_, silu_mul
+from freetoken.ops.gguf import dequantize_gguf, gguf_dequantize_available
 from freetoken.ops.linear import (
     GGUF_PANEL_TYPES,
     gguf_panel_type,
@@ -43,7 +45,8 @@ from freetoken.ops.topk import MAX_K, topk_logprobs
 __all__ = [
     "BACKENDS", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K", "OpsConfig",
     "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
-    "decoder_layer", "decoder_layer_available", "fused_elementwise_available", "gguf_panel_type",
+    "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
+    "gguf_dequantize_available", "gguf_panel_type",
     "gumbel_noise", "pack_gguf_panels", "pack_panels", "paged_attention",
     "paged_attention_available", "panel_linear", "panel_linear_available", "panel_shape",
     "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs",
