@@ -12,6 +12,7 @@ for bit. Not here: reading the file (freetoken/loader/gguf.py).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -36,7 +37,12 @@ def dequantize_gguf(rows: np.ndarray | torch.Tensor, type: str,  # noqa: A002
     array = np.ascontiguousarray(rows)
     array = array.view(np.uint8).reshape(array.shape[0], -1)  # [N, row bytes]
     if gguf_dequantize_available(type):
-        return _C.gguf_dequantize(torch.from_numpy(array), type, in_features)
+        with warnings.catch_warnings():
+            # NOTE: a GGUF's memory map is read-only; the kernel only reads it, so torch's
+            # warning about writing through a read-only array does not apply.
+            warnings.simplefilter("ignore", UserWarning)
+            rows_t = torch.from_numpy(array)
+        return _C.gguf_dequantize(rows_t, type, in_features)
     import gguf
 
     out = gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type])
