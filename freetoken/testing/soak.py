@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Load / soak test of a FreeToken server: a seeded mix of classify, generation, chat, streaming,
 invalid bodies and clients that disconnect, N requests with C in flight.
 
@@ -8,35 +7,29 @@ counted as `unexpected`. While it runs, the server's RSS is sampled from /proc/P
 Afterwards it waits for /metrics to show zero KV blocks in use and zero running / waiting
 requests. Prints one JSON line (requests, outcomes by kind, p50/p99 latency, RSS, the metrics).
 
-    python3 scripts/soak.py                          # spawns `python -m freetoken`, 1000 requests
-    FREETOKEN_SOAK_REQUESTS=10000 python3 scripts/soak.py
-    python3 scripts/soak.py --url http://127.0.0.1:8000 --pid 1234 --requests 500
-
-tests/test_load.py runs it (imported by path) against a subprocess server.
+scripts/soak.py is its command line; tests/system/test_load.py runs it against a subprocess
+server. What it is not: a benchmark (loadgen.py measures throughput on fixed workloads).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import os
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from freetoken.testing.process import ServerProcess
+
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 1 << 20
-# what spawn_server passes; the invalid bodies below are built against these limits
+# what soak_server passes; the invalid bodies below are built against these limits
 SERVER_ARGS = [
     "--max-model-len", str(MAX_MODEL_LEN),
     "--kv-cache-memory", "64MiB",
@@ -404,80 +397,8 @@ class Soak:
 
 
 # -- a server to soak ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_server(
-    log_path: Path, extra_args: list[str] = (), timeout_s: float = 240
-) -> tuple[subprocess.Popen, str]:
-    """`python -m freetoken` on a free loopback port with SERVER_ARGS; returns (proc, url) once
-    /health answers 200."""
-    port = free_port()
+def soak_server(log_path: Path, extra_args=(), timeout_s: float = 240) -> ServerProcess:
+    """`python -m freetoken` on a free loopback port with SERVER_ARGS, started (/health is 200)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freetoken", "--port", str(port), *SERVER_ARGS, *extra_args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        env=env,
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, log_path, timeout_s)
-    return proc, url
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not come up:\n" + log_path.read_text()[-3000:])
-        time.sleep(0.25)
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server (default: spawn one)")
-    p.add_argument("--pid", type=int, help="the running server's pid, for RSS")
-    p.add_argument(
-        "--requests", type=int, default=int(os.environ.get("FREETOKEN_SOAK_REQUESTS", 1000))
-    )
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", default="/tmp/freetoken-soak-server.log")
-    args = p.parse_args()
-    proc = None
-    url, pid = args.url, args.pid
-    if url is None:
-        proc, url = spawn_server(Path(args.log))
-        pid = proc.pid
-    try:
-        report = asyncio.run(
-            Soak(
-                url, pid=pid, requests=args.requests, concurrency=args.concurrency, seed=args.seed
-            ).run()
-        )
-    finally:
-        if proc is not None:
-            proc.terminate()
-            report_rc = proc.wait(60)
-    if proc is not None:
-        report["server_exit_code"] = report_rc
-    print(json.dumps(report))
-    return 0 if report["unexpected"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    server = ServerProcess([*SERVER_ARGS, *extra_args], log_path=log_path, env=env)
+    return server.start(timeout_s)
