@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from freetoken.testing.process import ServerProcess
+from freetoken.testing.workloads import few_shot
 
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 1 << 20
@@ -42,14 +43,7 @@ SERVER_ARGS = [
     "--log-level", "warning",
 ]  # fmt: skip
 
-PREFIX = (
-    "You are a careful assistant. Classify the sentiment of each product review as Positive or "
-    "Negative. Answer with one word.\n\n"
-    "Review: The blender broke after two days and the seller never answered my emails.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Absolutely love this jacket, it is warm, light and the zipper feels solid.\n"
-    "Sentiment: Positive\n\n"
-)
+PREFIX = few_shot(2)
 PRODUCTS = ["vacuum", "laptop stand", "rain coat", "desk lamp", "kettle", "phone case", "tent"]
 VERDICTS = ["works perfectly", "broke on the first use", "feels cheap", "exceeded expectations"]
 TOPICS = ["a dragon", "the ocean", "Mars", "a bicycle", "bees", "Rome", "magnets", "a forest"]

@@ -18,23 +18,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-PREFIX = (
-    "You are a careful assistant. Classify the sentiment of each product review as Positive or "
-    "Negative. Answer with one word.\n\n"
-    "Review: The blender broke after two days and the seller never answered my emails.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Absolutely love this jacket, it is warm, light and the zipper feels solid.\n"
-    "Sentiment: Positive\n\n"
-    "Review: The headphones sound muddy and the left ear stopped working within a week.\n"
-    "Sentiment: Negative\n\n"
-    "Review: Great value for the price; my kids use this tablet every day without issues.\n"
-    "Sentiment: Positive\n\n"
-    "Review: Shipping took a month and the box arrived crushed with pieces missing inside.\n"
-    "Sentiment: Negative\n\n"
-    "Review: This coffee maker is quiet, fast and the coffee tastes better than the cafe.\n"
-    "Sentiment: Positive\n\n"
-)
-
 _PRODUCTS = ["vacuum", "laptop stand", "rain coat", "desk lamp", "kettle", "phone case",
              "backpack", "air fryer", "keyboard", "water bottle", "monitor", "tent"]
 _GOOD = ["works perfectly", "exceeded my expectations", "feels premium", "was easy to set up",
@@ -76,6 +59,17 @@ _EXAMPLES = [
     ("The charger overheats and the cable frayed after a couple of weeks of use.", "Negative"),
     ("Beautiful frying pan, nothing sticks and it cleans up in seconds.", "Positive"),
 ]
+
+
+def few_shot(k: int, header: int = 0) -> str:
+    """An instruction header and the first k labelled examples, each "Review: ...\nSentiment:
+    ...", ready for the review to classify."""
+    body = "".join(f"Review: {r}\nSentiment: {s}\n\n" for r, s in _EXAMPLES[:k])
+    return f"{_HEADERS[header]}\n\n{body}"
+
+
+# The classify prefix (~170 tokens) every classify request shares.
+PREFIX = few_shot(6)
 
 DECODE_PROMPTS = [
     "Write a story about a dragon.", "Explain how a bicycle works.", "List facts about Mars.",

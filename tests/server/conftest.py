@@ -5,14 +5,8 @@ This folder's tests carry the `server` marker (`pytest -m server`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-HERE = Path(__file__).parent
+from folders import mark_folder
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if HERE in item.path.parents:
-            item.add_marker(pytest.mark.server)
+    mark_folder(items, __file__, "server")

@@ -6,21 +6,16 @@ This folder's tests carry the `unit` marker (`pytest -m unit`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).parent
+from folders import mark_folder
 
 # what needs the model file (tests/conftest.py)
 MODEL_FIXTURES = {"smollm2_path", "smollm2_fp32", "transformers_smollm2", "tiny_checkpoint"}
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if HERE in item.path.parents:
-            item.add_marker(pytest.mark.unit)
-            needs = MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
-            if needs:
-                raise pytest.UsageError(f"{item.nodeid} is a unit test but uses {sorted(needs)}:"
-                                        " it belongs in tests/model/")
+    for item in mark_folder(items, __file__, "unit"):
+        needs = MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if needs:
+            raise pytest.UsageError(f"{item.nodeid} is a unit test but uses {sorted(needs)}:"
+                                    " it belongs in tests/model/")
