@@ -50,6 +50,7 @@ import sys
 import tarfile
 import time
 
+from freetoken.cluster import free_port
 from freetoken.testing import loadgen, peer_report
 from freetoken.testing.peers import System, server_command, systems_for
 from freetoken.testing.process import ServerProcess
@@ -170,11 +171,11 @@ def run_server_once(args, system: System, wl: str, rep: int, resdir: str) -> dic
     extra = {"system": system.name, "column": system.column, "rep": rep}
     if system.name == BOUND_SYSTEM and wl in BOUND_WORKLOADS:
         extra["machine"] = machine_speed(args)  # before the start: nothing else runs
-    server = ServerProcess(log_path=os.path.join(resdir, f"{system.name}-{wl}-rep{rep}.log"),
-                           env=system.env(), new_session=True)
-    server.command = server_command(system, args.gguf, server.port, args.llama_exe,
-                                    args.llama_ctx)
-    log(f"start {system.name}: {' '.join(server.command)}")
+    port = free_port()
+    cmd = server_command(system, args.gguf, port, args.llama_exe, args.llama_ctx)
+    server = ServerProcess(command=cmd, port=port, env=system.env(), new_session=True,
+                           log_path=os.path.join(resdir, f"{system.name}-{wl}-rep{rep}.log"))
+    log(f"start {system.name}: {' '.join(cmd)}")
     try:
         server.start(timeout_s=300)
         extra["ready_s"] = round(server.ready_s, 2)
