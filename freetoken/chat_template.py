@@ -10,8 +10,8 @@ The rendered text already holds every special token the template writes, BOS inc
 with `add_special_tokens=False`, or the prompt starts with two BOS (as transformers' own
 `apply_chat_template(tokenize=True)` does).
 
-Not here: which template a model has (tokenizer.py) and the request's message validation
-(protocol.py).
+Not here: which template a model has (tokenizer/) and the request's message validation
+(freetoken.protocol).
 """
 
 from __future__ import annotations

@@ -35,8 +35,11 @@ class FreeTokenError(Exception):
                           "param": clip(self.param, MAX_PARAM_CHARS), "code": code}}
 
 
-class InvalidRequest(FreeTokenError):
-    """The client's request is wrong: a 400 naming the field and position in `param`."""
+class InvalidRequest(FreeTokenError, ValueError):
+    """The client's request is wrong: a 400 naming the field and position in `param`.
+
+    Also a ValueError: the checks of protocol/limits.py raise it from SamplingParams too, whose
+    contract is ValueError for a bad value (STYLE.md 8.5), and keep the field's name there."""
     status = 400
     type = "invalid_request_error"
 

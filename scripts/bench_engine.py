@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
+from freetoken.engine.sampling_params import SamplingParams  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
-from freetoken.sampling_params import SamplingParams  # noqa: E402
 
 # The workloads are scripts/bench_serve.py's (the same prompts through the engine API and over
 # HTTP).

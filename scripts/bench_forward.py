@@ -28,7 +28,7 @@ def log(msg: str) -> None:
 def bench(args) -> dict:
     import torch
 
-    from freetoken.generate import build_forward_batch
+    from freetoken.engine.generate import build_forward_batch
     from freetoken.loader import load_model
 
     if args.threads:

@@ -26,7 +26,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-from freetoken.generate import build_forward_batch  # noqa: E402
+from freetoken.engine.generate import build_forward_batch  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
 
 BS = 16

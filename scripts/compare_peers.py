@@ -297,7 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-docs", action="store_true", help="print the table, write nothing")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 1 rep, 24 classify, 4x16-token decode")
+    ap.add_argument("--report", metavar="DIR", default=None,
+                    help="run nothing: print the table of the raw results in DIR (docs/bench, "
+                         "or a results folder)")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report_of(args.report).render(args.workloads))
+        return 0
     if args.quick:
         args.reps, args.classify_n, args.transformers_n = 1, 24, 16
         args.decode_n, args.decode1_n = 4, 1
@@ -330,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"runs took {(time.time() - t_runs) / 60:.1f} min")
     bounds = machine_bounds(args, resdir)
     took = time.time() - t_start
+    meta["took_s"] = round(took, 1)
+    with open(os.path.join(resdir, "meta.jsonl"), "w") as f:
+        f.write(json.dumps(meta) + "\n")
     report = peer_report.Report(recs, bounds, peer_report.drift(resdir), meta, took)
     table = report.render(args.workloads)
     with open(os.path.join(resdir, "table.md"), "w") as f:
@@ -344,6 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"raw results of this run in {keep_raw(resdir, args.docs)}")
     log(f"done in {took / 60:.1f} min; raw results and server logs in {resdir}")
     return 0
+
+
+def report_of(resdir: str) -> peer_report.Report:
+    """The report of the raw results a run left in `resdir` (docs/bench/ keeps the last)."""
+    def lines(name):
+        path = os.path.join(resdir, name)
+        return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+    bounds, meta = lines("bounds.jsonl"), lines("meta.jsonl")
+    return peer_report.Report(lines("runs.jsonl"), bounds[-1] if bounds else None,
+                              peer_report.drift(resdir), meta[-1], meta[-1].get("took_s", 0.0))
 
 
 def _cpu() -> str:

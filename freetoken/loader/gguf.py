@@ -4,7 +4,8 @@ Every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q8_0, Q4_0,
 Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32; the model casts to its dtype. read_blocks also
 hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model on the CPU keeps
 packed for steps of few rows (freetoken/model/linear.py: dequantised in registers to the same
-fp32 values). Not here: the tokenizer (freetoken/tokenizer.py reads the same file's vocabulary).
+fp32 values). Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads the same file's
+vocabulary).
 """
 
 from __future__ import annotations

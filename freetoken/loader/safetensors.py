@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directory -> (ModelConfig, HF-named weights).
 
 Reads config.json, model.safetensors or the shards named by model.safetensors.index.json, and
-generation_config.json (EOS ids). Not here: tokenizer.json (freetoken/tokenizer.py).
+generation_config.json (EOS ids). Not here: tokenizer.json (freetoken/tokenizer/).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sequences with several query tokens (prefill, chunked prefill, a prompt
 behind a cached prefix) in another, unless padding them to the longest would more than double the
 work, in which case each goes alone. A prompt alone with no cached context is causal over its
 fresh K/V, with no gather.
-Not here: block allocation, prefix hashing (kv_cache.py), any policy.
+Not here: block allocation, prefix hashing (engine/kv_cache.py), any policy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken import ops
-from freetoken.batch import ForwardBatch
+from freetoken.engine.batch import ForwardBatch
 
 MAX_PADDING_WASTE = 2.0  # a padded group may cost at most this many times its real query x key work
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from freetoken import ops
-from freetoken.batch import ForwardBatch, KVCache
+from freetoken.engine.batch import ForwardBatch, KVCache
 from freetoken.model.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import (

@@ -32,9 +32,9 @@ class LiveServer:
                  http_timeout_s: float = 60, **app_kw):
         import uvicorn
 
+        from freetoken.api import create_app
         from freetoken.config import EngineConfig
         from freetoken.engine import Engine
-        from freetoken.server import create_app
 
         if not isinstance(engine, EngineConfig):
             engine = EngineConfig(**{**SMALL_ENGINE, **(engine or {})})

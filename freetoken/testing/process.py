@@ -40,12 +40,13 @@ class ServerProcess:
 
     `args` go to `python -m freetoken` after `--port`; `command` replaces the whole command line
     for another server (its port already in it). `env` is the whole environment (default: this
-    process's). With `new_session`, the server leads its own process group and stop() signals
-    the group. Use as a context manager, or start() / stop()."""
+    process's). `cwd` is where it runs: `python -m` puts that folder first on sys.path, so it
+    picks the freetoken tree (default: the caller's). With `new_session`, the server leads its
+    own process group and stop() signals the group. A context manager, or start() / stop()."""
 
     def __init__(self, args=(), *, log_path: str | os.PathLike, port: int | None = None,
                  env: dict[str, str] | None = None, command: list[str] | None = None,
-                 new_session: bool = False):
+                 new_session: bool = False, cwd: str | os.PathLike = TREE):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -53,6 +54,7 @@ class ServerProcess:
                                    *args]
         self.env = dict(os.environ if env is None else env)
         self.new_session = new_session
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None
 
@@ -64,7 +66,7 @@ class ServerProcess:
         """Start the process and return at once (start() also waits for /health)."""
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=TREE, env=self.env,
+                                         cwd=self.cwd, env=self.env,
                                          start_new_session=self.new_session)
         self._t0 = time.monotonic()
         return self

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken import ops
-from freetoken.generate import build_forward_batch
+from freetoken.engine.generate import build_forward_batch
 from freetoken.model.linear import FEW_ROWS
 
 pytestmark = pytest.mark.skipif(not ops._HAS_DECODER_LAYER, reason="needs freetoken._C")

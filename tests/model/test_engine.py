@@ -15,9 +15,9 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
+from freetoken.engine.generate import build_forward_batch
+from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import ContextTooLong, InvalidRequest
-from freetoken.generate import build_forward_batch
-from freetoken.sampling_params import SamplingParams
 from freetoken.testing.workloads import PREFIX
 
 pytestmark = pytest.mark.real_model
@@ -358,7 +358,7 @@ def test_replacements_of_finished_requests_share_one_step(make_engine, tok, monk
     """A client with 2 in flight sends each finished request's successor at its own pace (here
     0.1 s and 0.4 s after the finish, further apart than the 50 ms burst gap): the engine waits
     for both and runs them in one step, instead of one step each (Engine._await_arrivals)."""
-    import freetoken.engine as engine_module
+    import freetoken.engine.engine as engine_module
     monkeypatch.setattr(engine_module, "REPLACEMENT_WAIT_FRACTION", 1e9)  # the window decides
     eng = make_engine(arrival_window_ms=3000, arrival_gap_ms=50)
     steps = []
@@ -383,7 +383,7 @@ def test_replacements_of_finished_requests_share_one_step(make_engine, tok, monk
 
 def test_the_wait_for_replacements_is_bounded(make_engine, tok, monkeypatch):
     """No successor comes: a running stream stalls once, for the window, then runs on."""
-    import freetoken.engine as engine_module
+    import freetoken.engine.engine as engine_module
     monkeypatch.setattr(engine_module, "REPLACEMENT_WAIT_FRACTION", 1e9)
     eng = make_engine(arrival_window_ms=300, arrival_gap_ms=200)
     gaps, last = [], [None]

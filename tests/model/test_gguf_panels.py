@@ -144,7 +144,7 @@ def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, m
     """SmolLM2 fp32 takes its Q4_1 / Q8_0 blocks for steps of <= FEW_ROWS rows; with
     FREETOKEN_LINEAR=panels it does not. A decode step of 1..8 sequences gives the same logits
     (bit for bit on AVX-512, where the two kernels sum in the same order)."""
-    from freetoken.generate import build_forward_batch
+    from freetoken.engine.generate import build_forward_batch
     from freetoken.loader import load_model
     from freetoken.model.linear import FEW_ROWS, few_rows_form
 

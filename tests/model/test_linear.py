@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken import ops
-from freetoken.generate import build_forward_batch
+from freetoken.engine.generate import build_forward_batch
 from freetoken.model.linear import (
     FEW_ROWS,
     Linear,

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from freetoken.generate import build_forward_batch
+from freetoken.engine.generate import build_forward_batch
 from freetoken.loader import default_model_path, load_model
 from freetoken.model import ModelConfig
 

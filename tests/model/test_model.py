@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from freetoken.generate import build_forward_batch, generate
+from freetoken.engine.generate import build_forward_batch, generate
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""What a router asks one replica for (freetoken/scaleout.py, metrics.py), against the session's
+"""What a router asks one replica for (freetoken/api/scaleout.py, metrics.py), against the session's
 in-process server over real HTTP (test_server.get_server), plus the cluster helper's process
 handling without a model (freetoken/cluster.py).
 

@@ -397,7 +397,7 @@ def test_same_text_ids_do_not_collide(srv):
 
 
 def test_echo_logprobs_equal_engine_prompt_logprobs(srv):
-    from freetoken.sampling_params import SamplingParams
+    from freetoken.engine.sampling_params import SamplingParams
 
     prompts = [ID_PROMPT, [4182, 260, 6376, 4461, 47]]
     out = srv.complete(
@@ -580,6 +580,13 @@ def test_disconnect_aborts(srv, stream):
 # ---- failures that are FreeToken's, not the client's ----------------------------------------
 
 
+def test_engine_is_an_engine_client(srv):
+    from freetoken.api.engine_client import EngineClient, EngineSettings
+
+    assert isinstance(srv.engine, EngineClient)  # every member the edge calls is there
+    assert isinstance(srv.engine.config, EngineSettings)
+
+
 @pytest.fixture
 def patched_submit(srv):
     orig = srv.engine.submit
@@ -588,7 +595,7 @@ def patched_submit(srv):
 
 
 def test_engine_error_is_500_with_request_id(srv, patched_submit):
-    from freetoken.sequence import RequestOutput
+    from freetoken.engine import RequestOutput
 
     def failing(prompt_ids, params, request_id=None):
         async def gen():

@@ -1,7 +1,7 @@
 """Fuzzing /v1/completions and /v1/chat/completions bodies with hypothesis (issue 7).
 
-Bodies are built from every field of the request models (so a field added to protocol.py is
-fuzzed too), each with plausible values, edge values and arbitrary JSON, plus unknown fields and
+Bodies are built from every field of the request models (so a field added to protocol/requests.py
+is fuzzed too), each with plausible values, edge values and arbitrary JSON, plus unknown fields and
 raw bytes. For every one: no 500, no hang (the client's timeout would raise), and the response
 is either the OpenAI error shape with a documented status or a valid completion (streamed or
 not). Runs against the in-process server of test_reliability (uvicorn thread, real SmolLM2),
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from freetoken import protocol
+from freetoken.protocol.requests import ChatCompletionRequest, CompletionRequest
 from freetoken.testing.live import LiveServer
 
 pytestmark = pytest.mark.real_model
@@ -124,7 +124,7 @@ def _field_strategies(chat: bool) -> dict:
             "suffix": st.sampled_from([None, "", "x"]),
         }
     s["max_tokens"] = small_int | st.sampled_from([None, 300, 2**63])
-    model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    model = ChatCompletionRequest if chat else CompletionRequest
     for name in model.model_fields:  # every other field: arbitrary JSON
         s.setdefault(name, any_json)
     # each field: its own strategy most of the time, arbitrary JSON sometimes

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from freetoken import ops
-from freetoken.batch import ForwardBatch
+from freetoken.engine.batch import ForwardBatch
 from freetoken.model import attention
 from freetoken.model.attention import build_attention_metadata, paged_attention
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.kv_cache import BlockPool, ChainCursor, chain_hash, root_hash
+from freetoken.engine.kv_cache import BlockPool, ChainCursor, chain_hash, root_hash
 
 BS = 16
 
@@ -27,14 +27,13 @@ class Seq:
 
 
 def admit(pool: BlockPool, seq: Seq) -> None:
-    """lookup -> touch hits -> allocate the rest -> 'compute' -> index full blocks."""
-    hits = pool.lookup(seq.token_ids, seq.block_hashes, seq.cursor)
-    need = -(-len(seq.token_ids) // BS) - len(hits)
-    assert pool.can_allocate(need, hits)
-    pool.touch(hits)
-    seq.block_table = hits + pool.allocate(need)
-    seq.num_cached = len(hits) * BS
-    pool.record_query(len(seq.token_ids), seq.num_cached)
+    """find_cached_prefix -> admit (hits referenced, the rest allocated) -> 'compute' -> index
+    full blocks."""
+    prefix = pool.find_cached_prefix(seq.token_ids, seq.block_hashes, seq.cursor)
+    blocks = pool.admit(prefix, len(seq.token_ids), len(seq.token_ids))
+    assert blocks is not None
+    seq.block_table = blocks.block_ids
+    seq.num_cached = blocks.num_cached_tokens
     pool.cache_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.cursor,
                       len(seq.token_ids))
 
@@ -205,6 +204,52 @@ def test_out_of_memory_and_can_allocate():
     assert pool.can_allocate(1, hits) and not pool.can_allocate(2, hits)
 
 
+def test_admit_takes_nothing_when_it_does_not_fit():
+    pool = make_pool(num_blocks=4)
+    a = Seq(list(range(3 * BS)))
+    admit(pool, a)  # 3 of 4 blocks held
+    b = Seq([7] * (BS + 1))  # 2 blocks, no hit
+    queue, refs = list(pool.free_queue), [pool.ref_count(i) for i in range(4)]
+    metrics = (pool.num_query_tokens, pool.num_hit_tokens)
+    prefix = pool.find_cached_prefix(b.token_ids, b.block_hashes, b.cursor)
+    assert prefix.block_ids == [] and prefix.num_cached_tokens == 0
+    assert pool.admit(prefix, len(b.token_ids), len(b.token_ids)) is None
+    assert list(pool.free_queue) == queue and [pool.ref_count(i) for i in range(4)] == refs
+    assert (pool.num_query_tokens, pool.num_hit_tokens) == metrics
+    # only the step's chunk needs blocks: 1 token of b fits the free block
+    blocks = pool.admit(prefix, 1, len(b.token_ids))
+    assert blocks.block_ids == [3] and blocks.num_cached_tokens == 0 and blocks.copy is None
+    # reviving cached blocks costs free blocks too
+    pool.free(a.block_table)
+    pool.free(blocks.block_ids)
+    c = Seq(list(range(3 * BS)) + [1] * (BS + 1))  # 3 hits + 2 fresh > 4 blocks
+    prefix = pool.find_cached_prefix(c.token_ids, c.block_hashes, c.cursor)
+    assert prefix.block_ids == [0, 1, 2] and prefix.num_cached_tokens == 3 * BS
+    assert pool.admit(prefix, len(c.token_ids), len(c.token_ids)) is None
+    blocks = pool.admit(prefix, 3 * BS + 1, len(c.token_ids))
+    assert blocks.block_ids == [0, 1, 2, 3] and blocks.num_cached_tokens == 3 * BS
+    assert [pool.ref_count(i) for i in range(4)] == [1, 1, 1, 1]
+    assert (pool.num_query_tokens, pool.num_hit_tokens) == (48 + 17 + 65, 48)
+
+
+def test_admit_partial_hit_copies_the_donor_slots_and_pins_the_donor():
+    pool = make_pool()
+    a = Seq(list(range(2 * BS)) + [0])  # blocks 0, 1 full (indexed), 2 partial
+    admit(pool, a)
+    b = Seq(list(range(BS + 5)) + [999, 998])  # block 0 hits; block 1 holds b's next 5 ids
+    prefix = pool.find_cached_prefix(b.token_ids, b.block_hashes, b.cursor, partial=True)
+    assert prefix.block_ids == [0] and prefix.donor == (1, 5)
+    assert prefix.num_cached_tokens == BS + 5
+    assert pool.find_cached_prefix(b.token_ids, [], ChainCursor()).donor is None  # partial off
+    blocks = pool.admit(prefix, len(b.token_ids), len(b.token_ids))
+    assert blocks.block_ids == [0, 3] and blocks.num_cached_tokens == BS + 5
+    assert blocks.copy == (1, 3, 5)  # block 1's first 5 slots -> b's fresh block 3
+    assert [pool.ref_count(i) for i in range(4)] == [2, 2, 1, 1]  # the donor is pinned
+    assert (pool.num_query_tokens, pool.num_hit_tokens) == (33 + 23, BS + 5)
+    pool.free([1])  # the scheduler's release_pins after the step
+    assert pool.ref_count(1) == 1
+
+
 def test_disabled_prefix_cache_never_hits():
     pool = make_pool(enable_prefix_cache=False)
     admit(pool, Seq(range(40)))
@@ -235,23 +280,19 @@ def test_random_workload_never_serves_foreign_kv(weak_hash):
             continue
         stem = rng.choice(stems)
         s = Seq(stem[:rng.randrange(1, 40)] + [rng.randrange(3) for _ in range(rng.randrange(8))])
-        hits = pool.lookup(s.token_ids, s.block_hashes, s.cursor)
-        partial = pool.find_partial(s.token_ids, len(hits), s.cursor)
-        cached = len(hits) * BS + (partial[1] if partial else 0)
+        prefix = pool.find_cached_prefix(s.token_ids, s.block_hashes, s.cursor, partial=True)
+        cached = prefix.num_cached_tokens
         assert cached <= len(s.token_ids) - 1
-        need = -(-len(s.token_ids) // BS) - len(hits)
-        pins = hits + ([partial[0]] if partial else [])
-        if not pool.can_allocate(need, pins):
+        blocks = pool.admit(prefix, len(s.token_ids), len(s.token_ids))
+        if blocks is None:
             continue
-        pool.touch(pins)
-        fresh = pool.allocate(need)
-        s.block_table = hits + fresh
+        s.block_table = blocks.block_ids
         served += cached
-        if partial:
+        if blocks.copy is not None:
             partial_hits += 1
-            src, m = partial
+            src, dst, m = blocks.copy
             for j in range(m):
-                slots[fresh[0] * BS + j] = slots[src * BS + j]
+                slots[dst * BS + j] = slots[src * BS + j]
             pool.free([src])
         for p in range(cached):  # what the cache served must be this sequence's own prefix
             b = s.block_table[p // BS]

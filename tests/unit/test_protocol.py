@@ -1,4 +1,4 @@
-"""protocol.py without a model: request validation, every refusal, and the response builders.
+"""freetoken.protocol without a model: request validation, every refusal, and the response builders.
 
 A byte-level fake tokenizer (ids 0..255 are bytes, 256 BOS, 257 EOS) keeps these tests exact and
 fast; the same refusals are checked over HTTP against SmolLM2 in test_server.py.
@@ -11,8 +11,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from freetoken import protocol, responses
+from freetoken.config import ServerConfig
+from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import ContextTooLong, InvalidRequest
+from freetoken.protocol import limits, responses
+from freetoken.protocol.parse import parse_chat, parse_completion
+from freetoken.protocol.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    neutral_only_fields,
+)
 
 
 class FakeTokenizer:
@@ -85,7 +93,8 @@ LIM = Limits()
 
 
 def parse(body, tok=TOK, **kw):
-    return protocol.parse_completion(body, LIM, tok, **kw)
+    kw.setdefault("max_batch_prompts", ServerConfig.max_batch_prompts)
+    return parse_completion(body, LIM, tok, **kw)
 
 
 def refused(body, param, message=None, fn=parse):
@@ -234,6 +243,79 @@ def test_neutral_values_accepted(name, value):
     parse({"prompt": "a", name: value})
 
 
+def test_neutral_only_fields_are_read_off_the_models():
+    comp = neutral_only_fields(CompletionRequest)
+    chat_fields = neutral_only_fields(ChatCompletionRequest)
+    assert comp["best_of"] == (None, 1) and comp["suffix"] == (None, "")
+    assert chat_fields["tools"] == (None, []) and chat_fields["tool_choice"] == (None, "none")
+    assert "suffix" not in chat_fields and "tools" not in comp
+    for model, neutral in ((CompletionRequest, comp), (ChatCompletionRequest, chat_fields)):
+        # the declaration and its documentation agree, and the default is a neutral value
+        described = {
+            name
+            for name, info in model.model_fields.items()
+            if (info.description or "").startswith("neutral only")
+        }
+        assert set(neutral) == described
+        for name, values in neutral.items():
+            assert model.model_fields[name].default in values, name
+
+
+@pytest.mark.parametrize("name", sorted(neutral_only_fields(CompletionRequest)))
+def test_every_neutral_only_field_is_refused_otherwise(name):
+    neutral = neutral_only_fields(CompletionRequest)[name]
+    for value in neutral:
+        parse({"prompt": "a", name: value})
+    unsupported = 0
+    for value in (True, False, 7, 7.5, "x", {"a": 1}, ["x"]):
+        if value in neutral:
+            continue
+        with pytest.raises(InvalidRequest) as ei:  # a wrong type, or "not supported"
+            parse({"prompt": "a", name: value})
+        assert ei.value.param == name
+        unsupported += ei.value.message == f"{name} is not supported"
+    assert unsupported
+
+
+def test_shared_limits_name_the_field_in_sampling_params_and_engine():
+    # SamplingParams raises the protocol's InvalidRequest (a ValueError too) for the shared rules
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(stop_token_ids=[3, -1])
+    assert isinstance(ei.value, InvalidRequest) and ei.value.param == "stop_token_ids[1]"
+    with pytest.raises(InvalidRequest, match=r"min_tokens \(5\) is greater than max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(InvalidRequest, match="requires logprobs"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(InvalidRequest) as ei:
+        SamplingParams(logit_bias={"x": 1.0})
+    assert ei.value.param == "logit_bias.x"
+    assert SamplingParams(logit_bias={"5": 1.0, 6: 0.0}).logit_bias == {5: 1.0}
+    # the engine's check: the same messages the protocol gives
+    params = SamplingParams(max_tokens=5, logprobs=21, allowed_token_ids=[1, 300])
+    with pytest.raises(InvalidRequest) as ei:
+        limits.check_request([1, 2], params, LIM)
+    assert ei.value.message == "Requested logprobs of 21, which is greater than max allowed: 20"
+    params = SamplingParams(max_tokens=5, allowed_token_ids=[1, 300])
+    with pytest.raises(InvalidRequest) as ei:
+        limits.check_request([1, 2], params, LIM)
+    assert ei.value.param == "allowed_token_ids[1]"
+    assert ei.value.message == "allowed_token_ids[1] = 300 is outside the vocabulary (0..299)"
+    with pytest.raises(ContextTooLong) as ei:
+        limits.check_request([1] * 60, SamplingParams(max_tokens=5), LIM)
+    assert ei.value.message == (
+        "You passed 60 input tokens and requested 5 output tokens; the context is 64"
+    )
+    with pytest.raises(InvalidRequest) as ei:
+        limits.check_request([1, 300], SamplingParams(), LIM)
+    assert ei.value.message == "prompt[1] = 300 is outside the vocabulary (0..299)"
+    limits.check_request([1, 299], SamplingParams(max_tokens=62, logprobs=20), LIM)
+
+
+def test_logit_bias_key_of_non_ascii_digits_is_a_400():
+    # "²".isdigit() but int("²") fails: the key must be refused, not crash the request
+    refused({"prompt": "a", "logit_bias": {"\u00b2": 1}}, "logit_bias.\u00b2")
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -336,7 +418,7 @@ def test_echo_requests_prompt_logprobs():
 
 
 def chat(body):
-    return protocol.parse_chat(body, LIM, TOK)
+    return parse_chat(body, LIM, TOK)
 
 
 def test_chat_parse():
@@ -532,7 +614,7 @@ def test_usage_dict():
 
 
 def test_openapi_schemas_are_the_models():
-    from freetoken.server import openapi_document
+    from freetoken.api.openapi import openapi_document
 
     doc = openapi_document()
     comp = doc["components"]["schemas"]["CompletionRequest"]

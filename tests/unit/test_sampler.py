@@ -1,4 +1,4 @@
-"""freetoken/sampler.py: the logprob and rank of each row's token against a torch reference
+"""freetoken/engine/sampler.py: the logprob and rank of each row's token against a torch reference
 (log-softmax of the masked, biased logits; rank = 1 + the number strictly greater), for greedy
 rows (taken from the top list, no pass over the vocabulary) and sampled ones alike."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.sampler import Sampler, SampleRow
-from freetoken.sampling_params import SamplingParams
+from freetoken.engine.sampler import Sampler, SampleRow
+from freetoken.engine.sampling_params import SamplingParams
 
 
 def _reference(logits: torch.Tensor, p: SamplingParams, token: int) -> tuple[float, int]:

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from freetoken.kv_cache import BlockPool
-from freetoken.sampling_params import SamplingParams
-from freetoken.scheduler import Scheduler, StepResult
-from freetoken.sequence import Sequence, SequenceStatus, TokenLogprob
+from freetoken.engine.kv_cache import BlockPool
+from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.engine.scheduler import Scheduler, StepResult
+from freetoken.engine.sequence import Sequence, SequenceStatus
 
 BS = 16
 EOS = 0

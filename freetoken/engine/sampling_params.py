@@ -1,23 +1,18 @@
 """SamplingParams: the engine-facing, already validated form of a request's sampling fields.
 
-protocol.py does the client-facing validation (400s naming the field); __post_init__ repeats only
-the invariants the engine relies on and raises ValueError. Model-dependent checks (ids inside the
-vocabulary, context length) happen in Engine.submit against EngineLimits.
+freetoken.protocol does the client-facing validation (400s naming the field); __post_init__
+checks only the invariants the engine relies on and raises ValueError (the rules it shares with
+the protocol through protocol/limits.py raise InvalidRequest, a ValueError too). Model-dependent
+checks (ids inside the vocabulary, context length) happen in Engine.submit against EngineLimits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from freetoken.protocol import limits
+
 _GREEDY_EPS = 1e-5
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -44,68 +39,46 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+        if not limits.is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not _is_num(self.temperature) or self.temperature < 0:
+        if not limits.is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         self.temperature = float(self.temperature)
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
-        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not limits.is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not limits.is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (all) or an integer >= 0, got {self.top_k!r}")
         if self.top_k == 0:
             self.top_k = -1
-        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not limits.is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not limits.is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        self.stop = limits.stop_list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        limits.check_token_ids(self.stop_token_ids, None, "stop_token_ids")
+        if not limits.is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                             f"({self.max_tokens})")
-        bias = {}
-        for k, v in (self.logit_bias or {}).items():
-            tid = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
-            if not _is_int(tid) or tid < 0:
-                raise ValueError(f"logit_bias key must be a token id, got {k!r}")
-            if not _is_num(v) or not -100.0 <= v <= 100.0:
-                raise ValueError(f"logit_bias[{k}] must be in [-100, 100], got {v!r}")
-            if v != 0:
-                bias[tid] = float(v)
-        self.logit_bias = bias
+        limits.check_min_tokens(self.min_tokens, self.max_tokens)
+        bias = limits.logit_bias_ids(self.logit_bias, None)
+        self.logit_bias = {tid: v for tid, v in bias.items() if v != 0}
         if self.allowed_token_ids is not None:
             ids = list(self.allowed_token_ids)
-            if not ids or any(not _is_int(t) or t < 0 for t in ids):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
-                                 f"got {self.allowed_token_ids!r}")
+            limits.check_allowed_token_ids(ids, None)
             self.allowed_token_ids = sorted(set(ids))
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        limits.check_logprobs(self.logprobs, None, "logprobs")
+        limits.check_logprobs(self.prompt_logprobs, None, "prompt_logprobs")
         if self.logprob_token_ids is not None:
-            if self.logprobs is None:
-                raise ValueError("logprob_token_ids requires logprobs to be set")
             ids = list(self.logprob_token_ids)
-            if any(not _is_int(t) or t < 0 for t in ids):
-                raise ValueError(f"logprob_token_ids must be token ids, got {ids!r}")
+            limits.check_logprob_token_ids(ids, self.logprobs, None)
             self.logprob_token_ids = ids
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _is_num(v) or not -2.0 <= v <= 2.0:
+            if not limits.is_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not limits.is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
     @property
@@ -116,10 +89,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    def token_ids_referenced(self) -> list[int]:
-        """Every token id the params name, for the engine's vocabulary check."""
-        ids = list(self.stop_token_ids) + list(self.logit_bias)
-        ids += self.allowed_token_ids or []
-        ids += self.logprob_token_ids or []
-        return ids

@@ -10,6 +10,9 @@ through Sequence.append_token, frees KV) -> one delta per touched sequence to it
 NOTE: torch objects are touched only on the engine thread. Nothing in the step loop assumes CPU:
 tensors are created on the KV pool's device (the model's), and results reach the host only as
 token ids and logprob lists.
+
+Not here: who runs this step (scheduler.py), the tensors (runner.py), what a request gets back
+(outputs.py), the client-facing validation (protocol).
 """
 
 from __future__ import annotations
@@ -25,17 +28,17 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from freetoken.batch import KVCache
 from freetoken.config import EngineConfig
-from freetoken.errors import ContextTooLong, EngineDead, InvalidRequest, Overloaded
-from freetoken.kv_cache import BlockPool
-from freetoken.runner import Runner
-from freetoken.sampler import Sampler
-from freetoken.sampling_params import SamplingParams
-from freetoken.scheduler import Scheduler
-from freetoken.sequence import RequestOutput, Sequence, TokenLogprob
-
-__all__ = ["Engine", "EngineLimits", "RequestOutput", "RequestStream", "TokenLogprob"]
+from freetoken.engine.batch import KVCache
+from freetoken.engine.kv_cache import BlockPool
+from freetoken.engine.outputs import RequestOutput, RequestStream, merge_outputs
+from freetoken.engine.runner import Runner
+from freetoken.engine.sampler import Sampler
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.engine.scheduler import Scheduler
+from freetoken.engine.sequence import Sequence
+from freetoken.errors import EngineDead, InvalidRequest, Overloaded
+from freetoken.protocol import limits
 
 logger = logging.getLogger("freetoken.engine")
 
@@ -50,52 +53,6 @@ class EngineLimits:
     max_model_len: int    # prompt + max_tokens must fit
     max_logprobs: int
     logits_width: int = 0  # columns of the lm_head (>= vocab_size when padded)
-
-
-class RequestStream:
-    """Async iterator of one request's RequestOutput deltas; the last has finished=True."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._done = False
-
-    def _post(self, out: RequestOutput) -> None:  # engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        out = await self._queue.get()
-        if out.finished:
-            self._done = True
-        return out
-
-
-def merge_outputs(deltas: Seq[RequestOutput]) -> RequestOutput:
-    """One RequestOutput holding a whole request (what generate() returns)."""
-    last = deltas[-1]
-    out = RequestOutput(last.request_id, finished=last.finished, finish_reason=last.finish_reason,
-                        stop_reason=last.stop_reason, num_prompt_tokens=last.num_prompt_tokens,
-                        num_cached_tokens=last.num_cached_tokens,
-                        num_output_tokens=last.num_output_tokens, error=last.error)
-    lps: list[TokenLogprob] = []
-    for d in deltas:
-        out.new_token_ids += d.new_token_ids
-        out.new_text += d.new_text
-        if d.logprobs is not None:
-            lps += d.logprobs
-            out.logprobs = lps
-        if d.prompt_logprobs is not None:
-            out.prompt_logprobs = d.prompt_logprobs
-    return out
 
 
 class Engine:
@@ -215,26 +172,7 @@ class Engine:
 
     def _validate(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         ids = list(prompt_ids)
-        lim = self.limits
-        if not ids:
-            raise InvalidRequest("an empty token-id array cannot be evaluated", param="prompt")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
-                raise InvalidRequest(f"prompt[{i}] = {t!r} is outside the vocabulary "
-                                     f"(0..{lim.vocab_size - 1})", param=f"prompt[{i}]")
-        if len(ids) + params.max_tokens > lim.max_model_len:
-            raise ContextTooLong(f"You passed {len(ids)} input tokens and requested "
-                                 f"{params.max_tokens} output tokens; the context is "
-                                 f"{lim.max_model_len}", param="max_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > lim.max_logprobs:
-                raise InvalidRequest(f"Requested {name} of {v}, which is greater than max "
-                                     f"allowed: {lim.max_logprobs}", param=name)
-        for t in params.token_ids_referenced():
-            if not 0 <= t < lim.vocab_size:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary "
-                                     f"(0..{lim.vocab_size - 1})")
+        limits.check_request(ids, params, self.limits)
         return ids
 
     # -- sync API ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from freetoken.batch import ForwardBatch, KVCache
+from freetoken.engine.batch import ForwardBatch, KVCache
 
 
 def build_forward_batch(

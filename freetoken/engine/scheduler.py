@@ -10,11 +10,11 @@ Policy, decided once:
     remaining budget is chunked. A waiting sequence whose next full block is being computed by
     a running prefill steps aside (it keeps its place) until that block is indexed, so
     prompts that arrive together and share a prefix compute it once.
-  * Admission: prefix-cache lookup (capped at len-1 tokens) -- full blocks, then a partial
-    block (kv_cache.find_partial: the donor's first m slots are copied into the sequence's fresh
-    block by the runner, the donor pinned for the step) -- then blocks for the scheduled chunk
-    only. When the head of the queue does not fit, admission is held (no skipping ahead, so no
-    starvation) until blocks free up.
+  * Admission, two calls to the pool: find_cached_prefix (capped at len-1 tokens) -- full
+    blocks, then a partial block (the donor's first m slots are copied into the sequence's fresh
+    block by the runner, the donor pinned for the step) -- then admit, which takes those and
+    blocks for the scheduled chunk only (KVCacheBlocks). When the head of the queue does not
+    fit, admission is held (no skipping ahead, so no starvation) until blocks free up.
   * Pool full while growing a running sequence: preempt the newest running sequence (free its
     blocks, reset it to WAITING at the head of the queue) and retry; recompute later, mostly
     from the prefix cache, as its full blocks stay indexed. The oldest sequence always makes
@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from freetoken.kv_cache import BlockPool
-from freetoken.sequence import Sequence, SequenceStatus, TokenLogprob
+from freetoken.engine.kv_cache import BlockPool
+from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -193,8 +194,10 @@ class Scheduler:
         while (i < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[i]
-            hits = self.pool.lookup(seq.token_ids, seq.block_hashes, seq.cursor)
-            if (len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in inflight
+            prefix = self.pool.find_cached_prefix(seq.token_ids, seq.block_hashes, seq.cursor,
+                                                  partial=self.enable_partial_reuse)
+            num_hits = len(prefix.block_ids)
+            if (num_hits < len(seq.block_hashes) and seq.block_hashes[num_hits] in inflight
                     and skipped < self.max_num_seqs):
                 # NOTE: its next full block is being computed by a running prefill (or one
                 # admitted just now): wait for it to be indexed rather than compute it twice.
@@ -202,30 +205,23 @@ class Scheduler:
                 i += 1
                 skipped += 1
                 continue
-            partial = None
-            if self.enable_partial_reuse:
-                partial = self.pool.find_partial(seq.token_ids, len(hits), seq.cursor)
-            num_cached = len(hits) * self.block_size + (partial[1] if partial else 0)
+            num_cached = prefix.num_cached_tokens
             n = min(seq.num_tokens - num_cached, budget)
-            need = -(-(num_cached + n) // self.block_size) - len(hits)
-            pins = hits + [partial[0]] if partial else hits
-            if not self.pool.can_allocate(need, pins):
+            blocks = self.pool.admit(prefix, num_cached + n, seq.num_tokens)
+            if blocks is None:
                 break  # hold admission until blocks free up
-            self.pool.touch(pins)
-            fresh = self.pool.allocate(need)
-            if partial:
-                out.copies.append((partial[0], fresh[0], partial[1]))
-                out.pinned.append(partial[0])
-            seq.block_table = hits + fresh
+            if blocks.copy is not None:
+                out.copies.append(blocks.copy)
+                out.pinned.append(blocks.copy[0])
+            seq.block_table = blocks.block_ids
             seq.num_computed_tokens = num_cached
-            self.pool.record_query(seq.num_tokens, num_cached)
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = num_cached
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            inflight.update(seq.block_hashes[len(hits):])
+            inflight.update(seq.block_hashes[num_hits:])
             out.scheduled.append(self._make(seq, n))
             budget -= n
         return out

@@ -1,4 +1,5 @@
 """What routers in front of several FreeToken replicas ask a backend for (docs/scale-out.md).
+What it is not: the routing itself (vllm-router, in front; freetoken/cluster.py starts both).
 
 - `POST /v1/completions/render`, `POST /v1/chat/completions/render`: vLLM's render endpoints.
   vllm-router's `cache_aware` policy calls them (on every healthy worker) before it routes a text
@@ -37,7 +38,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from freetoken import protocol
+from freetoken.api.body import BodyReader
+from freetoken.api.engine_client import EngineClient
+from freetoken.protocol.parse import ParsedRequest
 
 
 def _sampling_dict(params) -> dict[str, Any]:
@@ -47,21 +50,21 @@ def _sampling_dict(params) -> dict[str, Any]:
     return out
 
 
-def _stream_options(parsed: protocol.ParsedRequest) -> dict | None:
+def _stream_options(parsed: ParsedRequest) -> dict | None:
     opts = getattr(parsed.request, "stream_options", None)
     return opts.model_dump() if opts is not None else None
 
 
-def load_report(engine) -> dict[str, Any]:
+def load_report(engine: EngineClient) -> dict[str, Any]:
     """One rank's numbers from engine.stats(): the source of /get_load and /loads."""
-    s = dict(engine.stats() or {})
-    block_size = int(getattr(getattr(engine, "config", None), "block_size", 1) or 1)
-    running = int(s.get("num_running", s.get("running", 0)))
-    waiting = int(s.get("num_waiting", s.get("waiting", 0)))
-    used_blocks = int(s.get("kv_blocks_used", 0))
-    total_blocks = int(s.get("kv_blocks_total", 0))
-    queries = int(s.get("prefix_queries", 0))
-    hits = int(s.get("prefix_hits", 0))
+    s = engine.stats()
+    block_size = engine.config.block_size
+    running = s["num_running"]
+    waiting = s["num_waiting"]
+    used_blocks = s["kv_blocks_used"]
+    total_blocks = s["kv_blocks_total"]
+    queries = s["prefix_queries"]
+    hits = s["prefix_hits"]
     usage = used_blocks / total_blocks if total_blocks else 0.0
     return {
         "dp_rank": 0,
@@ -77,31 +80,39 @@ def load_report(engine) -> dict[str, Any]:
     }
 
 
-class _ScaleOut:
-    def __init__(self, h):
-        self.h = h  # server._Handlers: engine, tokenizer, limits, model name, body reader
+class ScaleOut:
+    """The routes above over one engine; a render reads its body with the generation routes'
+    reader, so it is validated exactly as the generation request would be."""
+
+    def __init__(self, engine: EngineClient, reader: BodyReader):
+        self.engine = engine
+        self.reader = reader
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions/render", self.completions_render, methods=["POST"]),
+            Route("/v1/chat/completions/render", self.chat_render, methods=["POST"]),
+            Route("/get_load", self.get_load, methods=["GET"]),
+            Route("/loads", self.loads, methods=["GET"]),
+            Route("/v1/loads", self.loads, methods=["GET"]),
+        ]
 
     async def completions_render(self, request: Request) -> Response:
-        h = self.h
-        body = await h._json(request)
-        parsed = protocol.parse_completion(
-            body, h.limits, h.tok, max_batch_prompts=h.max_batch_prompts
-        )
-        h._check_model(parsed.model)
+        parsed = self.reader.parse_generation(await self.reader.read_json(request), chat=False)
         rid = "cmpl-" + uuid.uuid4().hex
         sampling = _sampling_dict(parsed.params)
         out = []
         for i, prompt in enumerate(parsed.prompts):
             text = prompt.text
             if text is None:
-                text = h.tok.decode(prompt.ids, skip_special_tokens=False)
+                text = self.reader.tokenizer.decode(prompt.ids, skip_special_tokens=False)
             out.append(
                 {
                     "request_id": f"{rid}-{i}",
                     "prompt": text,
                     "prompt_token_ids": list(prompt.ids),
                     "token_ids": list(prompt.ids),
-                    "model": h.model_name,
+                    "model": self.reader.served_model_name,
                     "sampling_params": sampling,
                     "stream": parsed.stream,
                     "stream_options": _stream_options(parsed),
@@ -110,15 +121,12 @@ class _ScaleOut:
         return JSONResponse(out)
 
     async def chat_render(self, request: Request) -> Response:
-        h = self.h
-        body = await h._json(request)
-        parsed = protocol.parse_chat(body, h.limits, h.tok)
-        h._check_model(parsed.model)
+        parsed = self.reader.parse_generation(await self.reader.read_json(request), chat=True)
         return JSONResponse(
             {
                 "request_id": "chatcmpl-" + uuid.uuid4().hex,
                 "token_ids": list(parsed.prompts[0].ids),
-                "model": h.model_name,
+                "model": self.reader.served_model_name,
                 "sampling_params": _sampling_dict(parsed.params),
                 "stream": parsed.stream,
                 "stream_options": _stream_options(parsed),
@@ -126,7 +134,7 @@ class _ScaleOut:
         )
 
     async def get_load(self, request: Request) -> Response:
-        r = load_report(self.h.engine)
+        r = load_report(self.engine)
         reqs = r["num_running_reqs"] + r["num_waiting_reqs"]
         return JSONResponse(
             {
@@ -141,19 +149,4 @@ class _ScaleOut:
         )
 
     async def loads(self, request: Request) -> Response:
-        return JSONResponse({"timestamp": time.time(), "loads": [load_report(self.h.engine)]})
-
-
-def scaleout_routes(h) -> list[Route]:
-    """The routes above over the server's handlers `h`. Also labels the vllm:* metrics with the
-    served model name (metrics.py), so routers and dashboards that filter on `model_name` match."""
-    if getattr(h, "metrics", None) is not None:
-        h.metrics.model_name = h.model_name
-    s = _ScaleOut(h)
-    return [
-        Route("/v1/completions/render", s.completions_render, methods=["POST"]),
-        Route("/v1/chat/completions/render", s.chat_render, methods=["POST"]),
-        Route("/get_load", s.get_load, methods=["GET"]),
-        Route("/loads", s.loads, methods=["GET"]),
-        Route("/v1/loads", s.loads, methods=["GET"]),
-    ]
+        return JSONResponse({"timestamp": time.time(), "loads": [load_report(self.engine)]})

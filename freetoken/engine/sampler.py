@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from freetoken import ops
-from freetoken.sampling_params import SamplingParams
-from freetoken.sequence import TokenLogprob
+from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

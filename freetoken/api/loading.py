@@ -3,6 +3,8 @@ see "not ready" (a status) instead of a refused connection.
 
 The placeholder runs uvicorn in a thread while the main thread loads the model; `stop()` closes it
 and the real server binds the same port right after (SO_REUSEADDR, set by uvicorn).
+
+What it is not: the app itself (app.py), which exists only once the engine is built.
 """
 
 from __future__ import annotations

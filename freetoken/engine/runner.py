@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.batch import ForwardBatch, KVCache
-from freetoken.sampler import Sampler, SampleRow
-from freetoken.scheduler import SchedulerOutput, StepResult
+from freetoken.engine.batch import ForwardBatch, KVCache
+from freetoken.engine.sampler import Sampler, SampleRow
+from freetoken.engine.scheduler import SchedulerOutput, StepResult
 
 PROMPT_LOGITS_CHUNK = 256  # rows of [V] fp32 logits materialised at once for prompt logprobs
 

@@ -2,7 +2,7 @@
 
 `Sequence.append_token` is the one place that decides "finished" (EOS unless ignore_eos,
 stop_token_ids, stop strings, max_tokens, min_tokens, the context end). `take_output` turns what
-happened since the last call into a RequestOutput delta.
+happened since the last call into a RequestOutput delta (outputs.py).
 """
 
 from __future__ import annotations
@@ -10,35 +10,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
-from freetoken.kv_cache import ChainCursor
-from freetoken.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int                                                      # 1 = the most likely
-    top: list[tuple[int, float]] = field(default_factory=list)     # top-K, best first
-    extra: list[tuple[int, float]] = field(default_factory=list)   # logprob_token_ids entries
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    logprobs: list[TokenLogprob] | None = None        # one per new token, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first delta only: [None, ...]
-    finished: bool = False
-    finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None              # the stop id or string that matched
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0                        # prompt tokens served by the prefix cache
-    num_output_tokens: int = 0
-    error: str | None = None
+from freetoken.engine.kv_cache import ChainCursor
+from freetoken.engine.outputs import RequestOutput, TokenLogprob
+from freetoken.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -2,7 +2,7 @@
 
 A ChoiceState turns one engine stream into fragments; streaming sends each fragment as a chunk,
 non-streaming merges them -- so both modes produce the same text and logprobs. Pure functions and
-plain data: no I/O, no engine, no HTTP. Requests are parsed in protocol.py.
+plain data: no I/O, no engine, no HTTP. Requests are parsed in protocol/parse.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from freetoken.protocol import ParsedRequest, Prompt
+    from freetoken.protocol.parse import ParsedRequest
+    from freetoken.protocol.prompts import Prompt
+
 
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -5,6 +5,10 @@ and keeps the free blocks in eviction order. PrefixIndex maps the chained hash o
 the block holding its K/V, so a later prompt with the same token-id prefix reuses that K/V.
 
 The scheduler is the only caller; the runner sees only block ids, through the block tables.
+Admission is two calls, as vLLM's get_computed_blocks / allocate_slots: find_cached_prefix (the
+verified hit, nothing referenced yet: CachedPrefix) then admit (the hit referenced, fresh blocks
+for the step, the metrics: KVCacheBlocks, or None when they do not fit). A running sequence grows
+with can_allocate / allocate; finished or preempted ones give their blocks back with free.
 
 Key:  h_0 = xxh64(fingerprint);  h_i = xxh64(h_{i-1} as 8 bytes LE || block i's ids as int32 LE).
 Hits are verified: an index entry stores its block's token ids and its parent block (id and
@@ -78,6 +82,24 @@ class ChainCursor:
     num_blocks: int = 0
     parent: tuple[int, int] | None = None
     broken: bool = False
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A sequence's verified cached prefix, not yet referenced (BlockPool.find_cached_prefix)."""
+    block_ids: list[int]                 # full-block hits, in order
+    num_cached_tokens: int               # the hits' tokens plus the donor's m
+    donor: tuple[int, int] | None = None  # (block id, m): a partial hit lends its first m slots
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """One admission's blocks: what the scheduler reads back from BlockPool.admit."""
+    block_ids: list[int]                 # the sequence's block table: the hits, then fresh blocks
+    num_cached_tokens: int               # its tokens whose K/V is already there (or copied in)
+    # partial hit: the runner copies the first m slots of block src into block dst before the
+    # forward; src stays referenced (pinned) until the scheduler releases it after the step
+    copy: tuple[int, int, int] | None = None
 
 
 class PrefixIndex:
@@ -236,6 +258,34 @@ class BlockPool:
             if best is None or m > best[1] or (m == best[1] and b < best[0]):
                 best = (b, m)
         return best
+
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: list[int],
+                           cursor: ChainCursor, partial: bool = False) -> CachedPrefix:
+        """lookup, then (with `partial`) find_partial after its hits: a waiting sequence's cached
+        prefix. Nothing is referenced yet; `block_hashes` and `cursor` are updated as lookup
+        does."""
+        hits = self.lookup(token_ids, block_hashes, cursor)
+        donor = self.find_partial(token_ids, len(hits), cursor) if partial else None
+        num_cached = len(hits) * self.block_size + (donor[1] if donor else 0)
+        return CachedPrefix(hits, num_cached, donor)
+
+    def admit(self, prefix: CachedPrefix, num_tokens: int,
+              num_query_tokens: int) -> KVCacheBlocks | None:
+        """Admit a sequence: reference the prefix's blocks (the donor's too, as a pin) and
+        allocate fresh ones up to `num_tokens` (cached + computed this step). None, with nothing
+        taken, when they do not fit. Records num_query_tokens (the sequence's length) and the
+        hit in the prefix-cache metrics."""
+        bs = self.block_size
+        need = -(-num_tokens // bs) - len(prefix.block_ids)
+        donor = prefix.donor
+        pins = prefix.block_ids + [donor[0]] if donor else prefix.block_ids
+        if not self.can_allocate(need, pins):
+            return None
+        self.touch(pins)
+        fresh = self.allocate(need)
+        self.record_query(num_query_tokens, prefix.num_cached_tokens)
+        copy = (donor[0], fresh[0], donor[1]) if donor else None
+        return KVCacheBlocks(prefix.block_ids + fresh, prefix.num_cached_tokens, copy)
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Metrics: one admission looked up num_query_tokens and was served num_hit_tokens."""
