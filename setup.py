@@ -1,12 +1,12 @@
-"""Builds freetoken._C, the fused mask / logit-bias / log-softmax / top-k kernel.
+"""Builds freetoken._C, FreeToken's compiled kernels (csrc/).
 
-The CPU implementation is always built. The CUDA implementation (csrc/cuda/*.cu plus the torch
+The CPU kernels are always built. The CUDA implementation (csrc/cuda/*.cu plus the torch
 glue csrc/cuda/ops_cuda_glue.cpp) is added, with -DWITH_CUDA, only when torch itself has CUDA
 (torch.version.cuda) and a toolkit is found (CUDA_HOME or nvcc on PATH); building it needs a
 toolchain, not a GPU.
 
 Environment:
-  FREETOKEN_NO_EXT=1   pure-Python install (freetoken.ops then uses its torch twin)
+  FREETOKEN_NO_EXT=1   pure-Python install (freetoken.ops then uses its torch twins)
   FREETOKEN_NO_CUDA=1  never build the CUDA part
   DEBUG=1              -O0 -g
 
@@ -51,8 +51,12 @@ def get_extensions():
     cxx = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     cxx += ["-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
     # NOTE: no -march: the wheel must run on any x86-64. The wide kernels are compiled per ISA
-    # with `#pragma GCC target` in csrc/cpu_kernel_*.cpp and picked at load time (cpuid).
+    # through target attributes (csrc/common/isa.h) and picked at run time (cpuid).
+    # csrc/bindings.cpp, csrc/common/*.cpp and one folder per op (csrc/<op>/*.cpp); csrc/cuda/
+    # only with CUDA (below).
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    sources += sorted(p for p in glob.glob(os.path.join("csrc", "*", "*.cpp"))
+                      if os.path.basename(os.path.dirname(p)) != "cuda")
     macros = []
     extra = {"cxx": cxx}
     ext_cls = CppExtension

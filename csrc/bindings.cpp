@@ -1,11 +1,15 @@
-// freetoken._C: the Python surface. freetoken/ops.py is its only importer.
+// freetoken._C: the Python surface. freetoken/ops/ is its only importer.
 #include <torch/extension.h>
 
-#include "decoder_layer_cpu.h"
-#include "linear_cpu.h"
-#include "ops.h"
-#include "ops_torch.h"
-#include "paged_attention_cpu.h"
+#include "attention/paged_attention_cpu.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "decoder_layer/decoder_layer_cpu.h"
+#include "elementwise/elementwise_cpu.h"
+#include "linear/gguf_dequant.h"
+#include "linear/linear_cpu.h"
+#include "topk/topk.h"
+#include "topk/topk_torch.h"
 
 namespace {
 
@@ -75,7 +79,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("cos"), py::arg("sin"));
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cpu_isa", &freetoken::cpu_isa, "the CPU kernel in use: avx512, avx2 or base");
-  m.def("set_cpu_isa", &freetoken::set_cpu_isa, "force auto/avx512/avx2/base (tests, benchmarks)");
+  m.def("set_cpu_isa", &freetoken::set_cpu_isa,
+        "force auto/avx512/avx2/base (freetoken.ops.configure(cpu_isa=...))");
+  m.def("set_pool_poll_us", &freetoken::TaskPool::set_poll_us,
+        "how long the kernels' pool polls before it sleeps (freetoken.ops.configure)",
+        py::arg("us"));
   m.attr("max_k") = freetoken::kMaxK;
   m.def("panel_pack", &freetoken::panel_pack_cpu,
         "CPU: W [N, K] fp32 -> the packed panels (1-D fp32, a header then [N/16, K, 16])",
@@ -83,6 +91,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &freetoken::gguf_pack_cpu,
         "CPU: GGUF Q4_1 / Q8_0 rows [N, K/32 * block bytes] uint8 -> packed panels (1-D uint8)",
         py::arg("blocks"), py::arg("type"), py::arg("K"));
+  m.def("gguf_dequantize", &freetoken::gguf_dequantize_cpu,
+        "CPU: GGUF rows [N, K/block * block bytes] uint8 of a type -> [N, K] fp32, exactly the "
+        "gguf package's dequantize", kNoGil, py::arg("rows"), py::arg("type"), py::arg("K"));
+  m.def("gguf_dequantize_types", &freetoken::gguf_dequantize_types,
+        "the GGUF types gguf_dequantize takes");
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
   py::class_<freetoken::DecoderLayerCpu>(

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from freetoken import ops  # noqa: E402
+from freetoken.ops import elementwise as ew  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536  # SmolLM2-135M
 EPS = 1e-5
@@ -45,12 +46,12 @@ def cases(T: int, dtype: torch.dtype):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # [T, 1, hd]
     return [
-        ("rms_norm", lambda: ops.rms_norm(x, w, EPS), lambda: ops._rms_norm_torch(x, w, EPS)),
+        ("rms_norm", lambda: ops.rms_norm(x, w, EPS), lambda: ew._rms_norm_torch(x, w, EPS)),
         ("add_rms_norm", lambda: ops.rms_norm(h, w, EPS, res_fused),
-         lambda: ops._rms_norm_torch(h, w, EPS, res_twin)),
+         lambda: ew._rms_norm_torch(h, w, EPS, res_twin)),
         ("silu_mul", lambda: ops.silu_mul(gate_up, INTERMEDIATE),
-         lambda: ops._silu_mul_torch(gate_up, INTERMEDIATE)),
-        ("rope_", lambda: ops.rope_(q, k, cos, sin), lambda: ops._rope_torch_(q, k, cos, sin)),
+         lambda: ew._silu_mul_torch(gate_up, INTERMEDIATE)),
+        ("rope_", lambda: ops.rope_(q, k, cos, sin), lambda: ew._rope_torch_(q, k, cos, sin)),
     ]
 
 
@@ -114,7 +115,7 @@ def main() -> int:
     head = " ".join(f"{c.removesuffix('_us').replace('_', ' '):>10}" for c in cols)
     speed = " ".join(f"{'x ' + str(n) + 't':>7}" for n in args.threads)
     speed += f" | {'faults/call 1t':>15}" if 1 in args.threads else ""
-    print(f"# freetoken.ops {ops.backend()} ({ops._C.cpu_isa()}), torch {torch.__version__}, "
+    print(f"# freetoken.ops {ops.backend()} ({ops.cpu_isa()}), torch {torch.__version__}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, medians, us per call")
     print(f"{'op':>12} {'dtype':>8} {'T':>4} | {head} | {speed}")
     for row in rows:
@@ -124,7 +125,7 @@ def main() -> int:
         if 1 in args.threads:
             ratios += f" | {row['fused_1t_faults']:>6.0f} {row['twin_1t_faults']:>8.0f}"
         print(f"{row['op']:>12} {row['dtype']:>8} {row['tokens']:>4} | {vals} | {ratios}")
-    print(json.dumps({"bench": "elementwise", "isa": ops._C.cpu_isa(),
+    print(json.dumps({"bench": "elementwise", "isa": ops.cpu_isa(),
                       "torch": torch.__version__, "repeats": args.repeats, "rows": rows}))
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One decode step's layer linears over SmolLM2's own Q4_1 blocks (ops.pack_gguf_panels,
-csrc/quant_linear_cpu.cpp) against the same weights as fp32 panels (ops.pack_panels): every
+csrc/linear/quant_linear_cpu.cpp) against the same weights as fp32 panels (ops.pack_panels): every
 attn_q/k/v, attn_output, ffn_gate/up/down of the 30 layers called once per step, in order, so
 each weight comes from DRAM as in a decode step (425 MB fp32, 80 MB of blocks). The two forms
 take turns step by step; medians of --repeats. The lm_head (token_embd, Q8_0) is timed apart.
@@ -71,7 +71,7 @@ def main() -> int:
     forms = load_forms(default_model_path())
     rows, xs = [], {}
     print(f"# GGUF Q4_1 blocks vs fp32 panels, one decode step's layer linears (30 layers), "
-          f"{args.threads} threads, isa {ops._C.cpu_isa()}, medians of {args.repeats}")
+          f"{args.threads} threads, isa {ops.cpu_isa()}, medians of {args.repeats}")
     print(" rows | layers: blocks ms  fp32 ms  speed-up | lm_head (Q8_0): blocks ms  fp32 ms")
     for m in args.ms:
         times = {(g, w): [] for g in forms for w in (0, 1)}
@@ -89,7 +89,7 @@ def main() -> int:
               f"{row['layers_fp32_ms'] / row['layers_blocks_ms']:8.2f}x | "
               f"{row['lm_head_blocks_ms']:24.2f} {row['lm_head_fp32_ms']:8.2f}", flush=True)
     print(json.dumps({"bench": "gguf_linear", "threads": args.threads,
-                      "isa": ops._C.cpu_isa(), "rows": rows, "loadavg": os.getloadavg()}))
+                      "isa": ops.cpu_isa(), "rows": rows, "loadavg": os.getloadavg()}))
     return 0
 
 

@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its O
 import torch  # noqa: E402
 
 import freetoken.ops as ops  # noqa: E402
+from freetoken.ops.backend import _C  # noqa: E402
 
 
 def make_allowed(B: int, V: int, n: int, gen: torch.Generator):
@@ -134,7 +135,7 @@ def summarize(rows: list[dict]) -> dict:
         "min_speedup_allowed100_B>=8": min((r["speedup"] for r in m100), default=None),
         "min_threads_2v1_dense_B>=8": min((r["threads_2v1"] for r in b8), default=None),
         "min_speedup_any": min((r["speedup"] for r in rows), default=None),
-        "isa": ops._C.cpu_isa() if ops._C is not None else None,
+        "isa": ops.cpu_isa(),
     }
     return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -164,7 +165,7 @@ def bench_cuda(args) -> list[dict]:
                 k = 20
 
                 def raw():
-                    return ops._C.topk_logprobs(logits, k, *(a_dev or (None, None)))
+                    return _C.topk_logprobs(logits, k, *(a_dev or (None, None)))
 
                 def unf():
                     x = logits
@@ -207,7 +208,7 @@ def main() -> None:
         return
     if ops.backend() != "ext-cpu":
         sys.exit(f"the CPU extension is not in use (backend {ops.backend()}); build it first")
-    print(f"# freetoken.ops {ops.backend()} ({ops._C.cpu_isa()}), torch {torch.__version__}, "
+    print(f"# freetoken.ops {ops.backend()} ({ops.cpu_isa()}), torch {torch.__version__}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, medians of interleaved runs")
     print(HEADER)
     rows = bench_cpu(args)

@@ -178,13 +178,13 @@ def main() -> int:
     rows = []
     for name in args.shapes:
         rows += bench_shape(name, *SHAPES[name], args, log)
-    print(f"# panel_linear ({ops._C.cpu_isa()}) vs oneDNN packed vs F.linear, fp32, torch "
+    print(f"# panel_linear ({ops.cpu_isa()}) vs oneDNN packed vs F.linear, fp32, torch "
           f"{torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')}, medians of "
           f"{args.repeats}; cold = round-robin over > {args.cold_mb} MB per method")
     print_table(rows)
     steps = step_summary(rows)
-    print(json.dumps({"bench": "linear", "isa": ops._C.cpu_isa(), "torch": torch.__version__,
+    print(json.dumps({"bench": "linear", "isa": ops.cpu_isa(), "torch": torch.__version__,
                       "repeats": args.repeats, "cold_mb": args.cold_mb,
                       "thp_env": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
                       "wall_s": round(time.perf_counter() - t0, 1), "rows": rows,

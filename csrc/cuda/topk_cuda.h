@@ -13,7 +13,7 @@ namespace cuda {
 
 struct TopkArgs {
   const void* logits;   // [B, V], dtype below, contiguous
-  int32_t dtype;        // kF32 / kBF16 / kF16 (ops.h)
+  int32_t dtype;        // kF32 / kBF16 / kF16 (topk/topk.h)
   int64_t B, V;
   int32_t k;            // 0..kMaxK
   const int32_t* allowed_offsets;  // [B+1] or nullptr

@@ -1,4 +1,4 @@
-// CUDA topk_logprobs: the same contract as the CPU kernel (ops.h), over raw pointers.
+// CUDA topk_logprobs: the same contract as the CPU kernel (topk/topk.h), over raw pointers.
 //
 //   prep   (only with allowed lists) one thread per list entry: sets the row's allowed bit with
 //          atomicOr; the entry whose atomicOr set it first owns the id, later copies are
@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "../ops.h"
+#include "topk/topk.h"
 #include "topk_cuda.h"
 
 namespace freetoken {

@@ -1,6 +1,6 @@
 """Per-row sampling and logprobs for one step's logits, with one freetoken.ops call each.
 
-Not here: the kernels themselves (freetoken/ops.py), deciding "finished" (sequence.py).
+Not here: the kernels themselves (freetoken/ops/), deciding "finished" (sequence.py).
 
 Semantics (SPEC.md):
   * logprobs are the log-softmax of the logits after logit_bias, over the allowed set when

@@ -1,11 +1,13 @@
 """GGUF file -> (ModelConfig, HF-named fp32 weights), through the `gguf` reader package.
 
 Every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32; the model casts to its dtype. read_blocks also
-hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model on the CPU keeps
-packed for steps of few rows (freetoken/model/linear.py: dequantised in registers to the same
-fp32 values). Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads the same file's
-vocabulary).
+Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32, each weight exactly the value that function gives:
+through freetoken.ops.dequantize_gguf's C++ kernel where it covers the type (every one above and
+IQ4_NL / IQ4_XS), through the gguf package itself for the rest; the model casts to its dtype.
+read_blocks also hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model on
+the CPU keeps packed for steps of few rows (freetoken/model/linear.py: dequantised in registers to
+the same fp32 values). Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads
+the same file's vocabulary).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freetoken import ops
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import GGUF_BLOCK_TYPES, GGUFBlocks
 
@@ -186,15 +189,20 @@ def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str
             if t.name != "rope_freqs.weight":  # read into config.rope_scaling
                 raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
             continue
-        try:
-            # dequantize returns float32 [ne1, ne0] = torch [out, in] layout
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as exc:
-            raise ValueError(
-                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
-                f"which the gguf package cannot dequantise"
-            ) from exc
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        ne = [int(n) for n in t.shape]  # gguf order: ne0 (the row length) first
+        if ops.gguf_dequantize_available(t.tensor_type.name):
+            rows = np.asarray(t.data).view(np.uint8).reshape(int(np.prod(ne[1:])), -1)
+            array = ops.dequantize_gguf(rows, t.tensor_type.name, ne[0]).numpy()
+        else:
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise ValueError(
+                    f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
+                    f"which the gguf package cannot dequantise"
+                ) from exc
+        # float32 [ne1, ne0] = torch [out, in] layout
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(ne)))
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = reverse_permute(array, config.num_heads)
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):

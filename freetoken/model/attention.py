@@ -2,7 +2,7 @@
 block_table, attend.
 
 On the CPU with freetoken._C (fp32 / bf16 / fp16), every sequence of the step, decode or
-multi-token, goes through one call per layer (ops.paged_attention, csrc/paged_attention_cpu.cpp):
+multi-token, goes through one call per layer (ops.paged_attention, csrc/attention/):
 K/V read in place from the pool, causal, GQA, sliding window; its inputs are built once per
 forward (KernelArgs). Everything else, and the reference for that kernel in tests, is torch: the
 context is gathered from the pool block by block into a dense tensor, then SDPA, in padded
@@ -195,7 +195,7 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     if meta.kernel is not None:
-        # every sequence, K/V written and then read in place (csrc/paged_attention_cpu.cpp)
+        # every sequence, K/V written and then read in place (csrc/attention/)
         kn = meta.kernel
         return ops.paged_attention(q, k_cache, v_cache, kn.block_tables, kn.seq_lens,
                                    kn.query_start_loc, scale, kn.window, k=k, v=v,

@@ -1,8 +1,8 @@
 """The model's linear layers, by the form their weight was packed into at load:
 
   * fp32 on the CPU with freetoken._C: panels (ops.pack_panels / ops.panel_linear,
-    csrc/linear_cpu.cpp), a layout that streams each weight once per call. Decode steps are
-    weight-bandwidth bound and oneDNN read cold weights at half the rate (a decode step's
+    csrc/linear/linear_cpu.cpp), a layout that streams each weight once per call. Decode steps
+    are weight-bandwidth bound and oneDNN read cold weights at half the rate (a decode step's
     linears at 8 rows: 43.7 -> 22.8 ms); at 224 rows (a batched prefill) the two are level;
   * bf16 on the CPU: oneDNN with the weight reordered once (torch.ops.mkldnn; 1.2-3.2x faster
     than MKL's F.linear on this project's AMD EPYC), plus panels for steps of few rows (below);
@@ -13,20 +13,20 @@ All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a
 Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
   * fp32 weights that the GGUF file stores as Q4_1 / Q8_0 blocks (GGUFBlocks, from
     freetoken/loader/gguf.py): the blocks packed into panels (ops.pack_gguf_panels,
-    csrc/quant_linear_cpu.cpp), each weight dequantized in registers to exactly the fp32 value
-    of the plain weight. A decode step then reads 80 MB of blocks instead of 425 MB of fp32: its
-    linears at 1 row 20.8 -> 5.9 ms, at 8 rows 20.0 -> 15.9 ms (2 threads); at 16 rows level;
+    csrc/linear/quant_linear_cpu.cpp), each weight dequantized in registers to exactly the fp32
+    value of the plain weight. A decode step then reads 80 MB of blocks instead of 425 MB of
+    fp32: its linears at 1 row 20.8 -> 5.9 ms, at 8 rows 20.0 -> 15.9 ms (2 threads); at 16
+    rows level;
   * bf16 weights: panels next to oneDNN (below).
 
 The packed weight replaces the plain one: a panel tensor is 1-D (its header carries N, K and the
 dtype), a oneDNN one an opaque mkldnn tensor of the same shape.
-FREETOKEN_LINEAR=panels skips the GGUF blocks, =onednn the panels too, =torch keeps F.linear (A/B
-switches, a way out).
+ops.configure(linear=...) chooses among them (A/B switches, a way out): "panels" skips the GGUF
+blocks, "onednn" the panels too, "torch" keeps F.linear.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +36,6 @@ from torch import nn
 from freetoken import ops
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _mode() -> str:
-    mode = os.environ.get("FREETOKEN_LINEAR", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "panels", "onednn", "torch"):
-        raise ValueError(f"FREETOKEN_LINEAR must be auto, panels, onednn or torch, got {mode!r}")
-    return mode
 
 
 GGUF_BLOCK_TYPES = ops.GGUF_PANEL_TYPES  # ("Q4_1", "Q8_0")
@@ -77,21 +70,21 @@ FEW_ROWS = 8
 
 
 def panels_available(weight: torch.Tensor) -> bool:
-    """True when `weight`'s dtype and device have the panel kernel here (FREETOKEN_LINEAR=auto or
-    panels)."""
-    return _mode() in ("auto", "panels") and ops.panel_linear_available(weight)
+    """True when `weight`'s dtype and device have the panel kernel here (linear "auto" or
+    "panels")."""
+    return ops.config().linear in ("auto", "panels") and ops.panel_linear_available(weight)
 
 
 def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True when a weight of `dtype` on `device` takes its GGUF blocks as the few-rows form here
-    (fp32 on the CPU extension, FREETOKEN_LINEAR=auto); the loader reads the blocks only then."""
-    return _mode() == "auto" and dtype == torch.float32 \
+    (fp32 on the CPU extension, linear "auto"); the loader reads the blocks only then."""
+    return ops.config().linear == "auto" and dtype == torch.float32 \
         and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
     return (
-        _mode() != "torch"
+        ops.config().linear != "torch"
         and weight.device.type == "cpu"
         and weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()

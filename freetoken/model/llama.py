@@ -80,6 +80,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 # threads wreck a shared machine) each parallel region wakes the sleeping workers, ~40 us here. An
 # RMSNorm over 224 x 576 fp32 took 194 us on 2 threads and 47 us on one. So the elementwise ops
 # between the matmuls run on one thread when the step is small; matmuls and attention keep all.
+# torch has no per-op thread count, so this flips torch.set_num_threads around those ops (0.2 us a
+# flip pair here). Not set once instead: the glue ops around the layers (embedding, the RoPE rows,
+# the hidden-state copy) would wake both threads (~0.3 ms a step), and the fused kernels' own
+# split (csrc/elementwise/: >= 32k elements) would change the bf16 classify step's threading.
 ONE_THREAD_MAX_ELEMENTS = 1 << 20  # of the [T, hidden] activations; above it, all threads
 
 

@@ -1,4 +1,4 @@
-"""ops.pack_gguf_panels + ops.panel_linear (csrc/quant_linear_cpu.cpp): a GGUF file's Q4_1 / Q8_0
+"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0
 blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
 loader's dequantization gives (gguf.quants), on every ISA variant; the products are held to an
 fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit for bit.
@@ -140,10 +140,10 @@ def test_bad_inputs_are_refused():
         ops.panel_linear(torch.randn(2, 64), packed[:-384])
 
 
-def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, monkeypatch):
+def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, ops_config):
     """SmolLM2 fp32 takes its Q4_1 / Q8_0 blocks for steps of <= FEW_ROWS rows; with
-    FREETOKEN_LINEAR=panels it does not. A decode step of 1..8 sequences gives the same logits
-    (bit for bit on AVX-512, where the two kernels sum in the same order)."""
+    ops.configure(linear="panels") it does not. A decode step of 1..8 sequences gives the same
+    logits (bit for bit on AVX-512, where the two kernels sum in the same order)."""
     from freetoken.engine.generate import build_forward_batch
     from freetoken.loader import load_model
     from freetoken.model.linear import FEW_ROWS, few_rows_form
@@ -152,7 +152,7 @@ def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, m
     assert few_rows_form(with_blocks.layers[3].self_attn.qkv_proj.few_rows) == "Q4_1"
     assert few_rows_form(with_blocks.layers[3].mlp.down_proj.few_rows) == "Q4_1"
     assert few_rows_form(with_blocks.lm_head_few_rows) == "Q8_0"
-    monkeypatch.setenv("FREETOKEN_LINEAR", "panels")
+    ops_config(linear="panels")
     plain = load_model(smollm2_path, load_tokenizer=False, progress=False).model
     assert plain.layers[3].self_attn.qkv_proj.few_rows is None and plain.lm_head_few_rows is None
     prompt = list(range(100, 140))
@@ -165,7 +165,7 @@ def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, m
             step = build_forward_batch([([prompt[20 + s]], 20 + s, [4 * s, 4 * s + 1])
                                         for s in range(n)], 16)
             out.append(m.compute_logits(m.forward(step, kv)))
-        if ops._C.cpu_isa() == "avx512":
+        if ops.cpu_isa() == "avx512":
             assert torch.equal(out[0], out[1]), n
         else:
             torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)

@@ -1,5 +1,5 @@
 """The packed linears: panels (fp32; bf16 for few rows, freetoken._C) and oneDNN (bf16, or
-FREETOKEN_LINEAR=onednn) give F.linear's numbers, FREETOKEN_LINEAR=torch is the way out, and a
+ops.configure(linear="onednn")) give F.linear's numbers, linear="torch" is the way out, and a
 model runs the same in every form. The panel kernel itself: tests/test_panel_linear.py."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ FORMS = ["auto", "onednn"]
 @pytest.mark.parametrize("mode", FORMS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 224])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, monkeypatch):
-    monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, ops_config):
+    ops_config(linear=mode)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 96, generator=g)
     b = torch.randn(300, generator=g) if bias else None
@@ -58,9 +58,9 @@ def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, monkeypatch):
 @pytest.mark.parametrize("mode", FORMS)
 @pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, FEW_ROWS + 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_bf16(mode, rows, bias, monkeypatch):
+def test_packed_linear_bf16(mode, rows, bias, ops_config):
     """bf16: oneDNN serves every row count; with the panels too, they take <= FEW_ROWS rows."""
-    monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+    ops_config(linear=mode)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(64, 32, generator=g).bfloat16()
     b = torch.randn(64, generator=g).bfloat16() if bias else None
@@ -76,35 +76,35 @@ def test_packed_linear_bf16(mode, rows, bias, monkeypatch):
 
 
 @needs_packing
-def test_module_pack_and_the_torch_switch(monkeypatch):
+def test_module_pack_and_the_torch_switch(ops_config):
     layer = Linear(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     x = torch.randn(4, 16)
     with torch.no_grad():
         plain = layer(x)
-        monkeypatch.setenv("FREETOKEN_LINEAR", "torch")
+        ops_config(linear="torch")
         assert layer.pack() is False and packed_form(layer.weight) == "plain"
-        monkeypatch.delenv("FREETOKEN_LINEAR")
+        ops_config()
         assert layer.pack() is True and packed_form(layer.weight) != "plain"
         assert layer.pack() is True  # packing twice is a no-op
         torch.testing.assert_close(layer(x), plain, atol=1e-5, rtol=1e-5)
 
 
-def test_a_bad_mode_is_refused(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_LINEAR", "fast")
-    with pytest.raises(ValueError, match="FREETOKEN_LINEAR"):
-        packing_available(torch.empty(1))
+def test_a_bad_mode_is_refused(ops_config):
+    with pytest.raises(ValueError, match="linear must be one of .*, got 'fast'"):
+        ops_config(linear="fast")
+    assert ops.config().linear == "auto"
 
 
 @needs_packing
-def test_model_logits_same_in_every_form(tiny_checkpoint, monkeypatch):
+def test_model_logits_same_in_every_form(tiny_checkpoint, ops_config):
     from freetoken.loader import load_model
 
     path, _ = tiny_checkpoint("qwen2")  # q/k/v biases, an untied lm_head
     models = {}
     for mode in ("auto", "onednn", "torch"):
-        monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+        ops_config(linear=mode)
         models[mode] = load_model(path, load_tokenizer=False, progress=False)
     forms = {m: packed_form(x.model.layers[0].self_attn.qkv_proj.weight)
              for m, x in models.items()}
@@ -134,13 +134,13 @@ def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
 
 
 @needs_panels
-def test_bf16_model_uses_the_panels_for_few_rows(tiny_checkpoint, monkeypatch):
+def test_bf16_model_uses_the_panels_for_few_rows(tiny_checkpoint, ops_config):
     from freetoken.loader import load_model
 
     path, _ = tiny_checkpoint("llama")  # tied embeddings: the lm_head's copy too
     models = {}
     for mode in ("auto", "onednn"):
-        monkeypatch.setenv("FREETOKEN_LINEAR", mode)
+        ops_config(linear=mode)
         models[mode] = load_model(path, dtype=torch.bfloat16, load_tokenizer=False,
                                   progress=False)
     auto, onednn = models["auto"].model, models["onednn"].model

@@ -1,7 +1,7 @@
 """Paged attention against a dense fp64 reference, on random steps that mix decodes, prompts
 behind a cached context, fresh prompts and chunks of unequal lengths: the torch path (padded
 groups, the split when padding would waste too much, the fresh causal path), the decode kernel,
-and the in-place kernel for every sequence (ops.paged_attention, csrc/paged_attention_cpu.cpp) on
+and the in-place kernel for every sequence (ops.paged_attention, csrc/attention/) on
 every CPU ISA; sliding windows, GQA, fp32 / bf16 / fp16 pools, long contexts, bad inputs.
 
 Tolerances: fp32 outputs within 1e-5 (absolute, outputs are O(1)) of the fp64 reference computed
@@ -90,21 +90,7 @@ CPU = torch.device("cpu")
 HAS_KERNEL = ops.paged_attention_available(CPU, torch.float32)  # built and chosen
 
 
-def _isas() -> list[str]:
-    if not HAS_KERNEL:
-        return []
-    out = []
-    for name in ("avx512", "avx2", "base"):
-        try:
-            ops._C.set_cpu_isa(name)
-            out.append(name)
-        except RuntimeError:  # not on this CPU
-            pass
-    ops._C.set_cpu_isa("auto")
-    return out
-
-
-ISAS = _isas()
+ISAS = list(ops.available_cpu_isas()) if HAS_KERNEL else []
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="ops.paged_attention is not in use")
 IMPLS = ["torch"] + [f"ext-{isa}" for isa in ISAS]
 
@@ -117,7 +103,7 @@ def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch
     if impl == "torch":
         monkeypatch.setattr(attention.ops, "paged_attention_available", lambda device, dt: False)
     else:
-        ops._C.set_cpu_isa(impl.removeprefix("ext-"))  # reset below
+        ops.configure(cpu_isa=impl.removeprefix("ext-"))  # reset below
     rng = random.Random(sum(map(ord, name)) * 7 + (window or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     batch, tables = random_step(rng, STEPS[name])
@@ -131,7 +117,7 @@ def test_paged_attention_matches_dense_reference(name, window, impl, monkeypatch
         out = paged_attention(q, k, v, k_cache, v_cache, meta, HD**-0.5)
     finally:
         if ISAS:
-            ops._C.set_cpu_isa("auto")
+            ops.configure()
     assert out.shape == (T, NH, HD)
 
     qsl = batch.query_start_loc
@@ -233,11 +219,11 @@ def test_kernel_matches_fp64(isa, nh, kvh, hd, window):
     blocks; GQA 3, 1, 4, 6, 12; head_dim 64, 128 and three that are not a multiple of the
     vector width."""
     args = make_step(MIXED, nh, kvh, hd, torch.float32, seed=nh * hd)
-    ops._C.set_cpu_isa(isa)
+    ops.configure(cpu_isa=isa)
     try:
         got = ops.paged_attention(*args, 0.3, window)
     finally:
-        ops._C.set_cpu_isa("auto")
+        ops.configure()
     assert_close_to_reference(got, kernel_reference(*args, 0.3, window), torch.float32)
 
 
@@ -250,11 +236,11 @@ def test_kernel_half_precision_pools(isa, dtype, q_dtype):
     """bf16 / fp16 pools are widened exactly: with fp32 queries the result is the fp32 one on
     the pool's values (1e-5); with bf16 / fp16 queries it is that, rounded once."""
     args = make_step(MIXED, 9, 3, 64, dtype, q_dtype=q_dtype, seed=5)
-    ops._C.set_cpu_isa(isa)
+    ops.configure(cpu_isa=isa)
     try:
         got = ops.paged_attention(*args, 0.125, 50)
     finally:
-        ops._C.set_cpu_isa("auto")
+        ops.configure()
     assert_close_to_reference(got, kernel_reference(*args, 0.125, 50), q_dtype)
 
 
@@ -268,13 +254,13 @@ def test_kernel_decodes(isa, dtype, nh, kvh, hd):
     head_dim of 80 (a scalar tail), with and without a window; and two tokens of 8 heads."""
     shapes = [(0, 1), (16, 1), (299, 1), (63, 1), (128, 1), (40, 2)]
     args = make_step(shapes, nh, kvh, hd, dtype, seed=hd + nh)
-    ops._C.set_cpu_isa(isa)
+    ops.configure(cpu_isa=isa)
     try:
         for window in (None, 50):
             got = ops.paged_attention(*args, 0.11, window)
             assert_close_to_reference(got, kernel_reference(*args, 0.11, window), dtype)
     finally:
-        ops._C.set_cpu_isa("auto")
+        ops.configure()
 
 
 @needs_kernel
@@ -290,13 +276,13 @@ def test_kernel_decode_dot_products(isa, dtype, group, hd):
     and 270 (across the tile boundary)."""
     shapes = [(0, 1), (1, 1), (14, 1), (15, 1), (16, 1), (62, 1), (256, 1), (299, 1)]
     args = make_step(shapes, 2 * group, 2, hd, dtype, seed=group * 100 + hd)
-    ops._C.set_cpu_isa(isa)
+    ops.configure(cpu_isa=isa)
     try:
         for window in (None, 1, 20, 270):
             got = ops.paged_attention(*args, hd**-0.5, window)
             assert_close_to_reference(got, kernel_reference(*args, hd**-0.5, window), dtype)
     finally:
-        ops._C.set_cpu_isa("auto")
+        ops.configure()
 
 
 @needs_kernel
@@ -305,13 +291,13 @@ def test_kernel_long_context(isa):
     """3000 keys (12 key tiles: the online softmax's rescaling) under 200 queries (several
     column tiles), with and without a window that spans tiles; a decode at 3000."""
     args = make_step([(2800, 200), (2999, 1)], 8, 2, 64, torch.float32, seed=11)
-    ops._C.set_cpu_isa(isa)
+    ops.configure(cpu_isa=isa)
     try:
         for window in (None, 700):
             got = ops.paged_attention(*args, 0.125, window)
             assert_close_to_reference(got, kernel_reference(*args, 0.125, window), torch.float32)
     finally:
-        ops._C.set_cpu_isa("auto")
+        ops.configure()
 
 
 @needs_kernel

@@ -18,21 +18,20 @@ rope_ within two roundings of its terms (see assert_rope_ref_close).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from cpu_variants import available_isas
 
 import freetoken.ops as ops
+from freetoken.ops import elementwise
+from freetoken.ops.backend import _C
 
 torch.set_num_threads(1)
 
-HAS_C = ops._C is not None and hasattr(ops._C, "rope_")  # the kernels are built
-USES_EXT = ops.fused_elementwise_available(torch.empty(1))  # and chosen (FREETOKEN_OPS)
+HAS_C = _C is not None  # the kernels are built
+USES_EXT = ops.fused_elementwise_available(torch.empty(1))  # and chosen (ops.configure)
 EPS = 1e-5
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -57,15 +56,15 @@ class Impl:
         if self.ext:
             assert ops.fused_elementwise_available(x)
             return ops.rms_norm(x, w, eps, residual)
-        return ops._rms_norm_torch(x, w, eps, residual)
+        return elementwise._rms_norm_torch(x, w, eps, residual)
 
     def silu_mul(self, gate_up, inter):
         if self.ext:
             return ops.silu_mul(gate_up, inter)
-        return ops._silu_mul_torch(gate_up, inter)
+        return elementwise._silu_mul_torch(gate_up, inter)
 
     def rope_(self, q, k, cos, sin):
-        return (ops.rope_ if self.ext else ops._rope_torch_)(q, k, cos, sin)
+        return (ops.rope_ if self.ext else elementwise._rope_torch_)(q, k, cos, sin)
 
 
 @pytest.fixture(params=IMPLS)
@@ -74,9 +73,9 @@ def impl(request):
     if name == "torch":
         yield Impl(name)
         return
-    ops._C.set_cpu_isa(name.removeprefix("ext-"))
+    ops.configure(cpu_isa=name.removeprefix("ext-"))
     yield Impl(name)
-    ops._C.set_cpu_isa("auto")
+    ops.configure()
 
 
 TWIN = Impl("torch")
@@ -303,7 +302,7 @@ def test_parallel_matches_one_thread(dtype, T):
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
-    assert_twin_close(one[3], ops._silu_mul_torch(gate_up, 1536), dtype)
+    assert_twin_close(one[3], elementwise._silu_mul_torch(gate_up, 1536), dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +317,7 @@ def _bad_cases():
     qkv = torch.randn(4, 5 * 16)
     q, k = qkv[:, :48].view(4, 3, 16), qkv[:, 48:64].view(4, 1, 16)
     cos, sin = rope_tables(4, 16, torch.float32)
-    norm, add = ops._C.rms_norm, ops._C.add_rms_norm
+    norm, add = _C.rms_norm, _C.add_rms_norm
     return {
         "weight size": (lambda: norm(x, torch.randn(63), EPS), "weight must be"),
         "weight dtype": (lambda: norm(x, w.half(), EPS), "weight must be float32"),
@@ -329,20 +328,20 @@ def _bad_cases():
         "residual shape": (lambda: add(x, torch.randn(4, 32), w, EPS), "residual must have"),
         "residual dtype": (lambda: add(xb, x, w, EPS), "residual must have x's dtype"),
         "residual rows": (lambda: add(x, torch.randn(64, 4).t(), w, EPS), "contiguous rows"),
-        "intermediate": (lambda: ops._C.silu_mul(gu, 63), "gate_up must be"),
-        "gate_up rows": (lambda: ops._C.silu_mul(torch.randn(128, 4).t(), 64), "contiguous"),
-        "gate_up 1-D": (lambda: ops._C.silu_mul(gu[0], 64), "must be 2-D"),
-        "odd head_dim": (lambda: ops._C.rope_(torch.randn(4, 3, 15), torch.randn(4, 1, 15),
+        "intermediate": (lambda: _C.silu_mul(gu, 63), "gate_up must be"),
+        "gate_up rows": (lambda: _C.silu_mul(torch.randn(128, 4).t(), 64), "contiguous"),
+        "gate_up 1-D": (lambda: _C.silu_mul(gu[0], 64), "must be 2-D"),
+        "odd head_dim": (lambda: _C.rope_(torch.randn(4, 3, 15), torch.randn(4, 1, 15),
                                               cos[..., :15], sin[..., :15]), "even"),
-        "q stride(2)": (lambda: ops._C.rope_(torch.randn(4, 16, 3).transpose(1, 2), k, cos, sin),
+        "q stride(2)": (lambda: _C.rope_(torch.randn(4, 16, 3).transpose(1, 2), k, cos, sin),
                         "stride(2) == 1"),
-        "q stride(1)": (lambda: ops._C.rope_(torch.randn(4, 3, 32)[..., :16], k, cos, sin),
+        "q stride(1)": (lambda: _C.rope_(torch.randn(4, 3, 32)[..., :16], k, cos, sin),
                         "stride(1) == head_dim"),
-        "k dtype": (lambda: ops._C.rope_(q, k.bfloat16(), cos, sin), "k must have q's dtype"),
-        "k tokens": (lambda: ops._C.rope_(q, k[:3], cos, sin), "k must be"),
-        "cos shape": (lambda: ops._C.rope_(q, k, cos[:3], sin), "cos must be"),
-        "cos dtype": (lambda: ops._C.rope_(q, k, cos.bfloat16(), sin), "cos must have q's dtype"),
-        "sin heads": (lambda: ops._C.rope_(q, k, cos, sin.expand(4, 3, 16)), "sin must be"),
+        "k dtype": (lambda: _C.rope_(q, k.bfloat16(), cos, sin), "k must have q's dtype"),
+        "k tokens": (lambda: _C.rope_(q, k[:3], cos, sin), "k must be"),
+        "cos shape": (lambda: _C.rope_(q, k, cos[:3], sin), "cos must be"),
+        "cos dtype": (lambda: _C.rope_(q, k, cos.bfloat16(), sin), "cos must have q's dtype"),
+        "sin heads": (lambda: _C.rope_(q, k, cos, sin.expand(4, 3, 16)), "sin must be"),
     }
 
 
@@ -368,15 +367,14 @@ def test_available_dtypes():
 def test_fp16_takes_the_twin():
     x = rand(8, 64, dtype=torch.float16, seed=12)
     w = rand(64, dtype=torch.float16, seed=13)
-    assert torch.equal(ops.rms_norm(x, w, EPS), ops._rms_norm_torch(x, w, EPS))
+    assert torch.equal(ops.rms_norm(x, w, EPS), elementwise._rms_norm_torch(x, w, EPS))
 
 
 def test_forced_torch_uses_the_twin():
-    code = ("import torch, freetoken.ops as o; x = torch.randn(8, 64); w = torch.randn(64); "
-            "print(o.fused_elementwise_available(x), "
-            "torch.equal(o.rms_norm(x, w, 1e-5), o._rms_norm_torch(x, w, 1e-5)))")
-    env = dict(os.environ, FREETOKEN_OPS="torch")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True"]
+    x, w = torch.randn(8, 64), torch.randn(64)
+    ops.configure(backend="torch")
+    try:
+        assert not ops.fused_elementwise_available(x)
+        assert torch.equal(ops.rms_norm(x, w, 1e-5), elementwise._rms_norm_torch(x, w, 1e-5))
+    finally:
+        ops.configure()

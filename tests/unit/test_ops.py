@@ -8,9 +8,6 @@ The reference takes x = logit + bias in fp32, as the contract says, and does the
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,10 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import freetoken.ops as ops
+from freetoken.ops import topk
+from freetoken.ops.backend import _C
 
 NEG_INF = float("-inf")
-HAS_EXT = ops._C is not None
-HAS_CUDA = HAS_EXT and torch.cuda.is_available() and ops._C.cuda_compiled()
+HAS_EXT = _C is not None
+HAS_CUDA = HAS_EXT and torch.cuda.is_available() and _C.cuda_compiled()
 
 
 def _isas() -> list[str]:
@@ -40,14 +39,14 @@ def impl(request):
     if name == "torch":
         def run(logits, k, allowed=None, logit_bias=None):
             B, V = logits.shape
-            a = ops._check_compact("allowed", allowed, B, V, logits.device, False)
-            b = ops._check_compact("logit_bias", logit_bias, B, V, logits.device, True)
-            return ops._topk_logprobs_torch(logits, k, a, b)
+            a = topk._check_compact("allowed", allowed, B, V, logits.device, False)
+            b = topk._check_compact("logit_bias", logit_bias, B, V, logits.device, True)
+            return topk._topk_logprobs_torch(logits, k, a, b)
         yield run, 5e-5
         return
-    ops._C.set_cpu_isa(name.removeprefix("ext-"))
+    ops.configure(cpu_isa=name.removeprefix("ext-"))
     yield ops.topk_logprobs, 1e-5
-    ops._C.set_cpu_isa("auto")
+    ops.configure()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,9 +283,9 @@ def test_validation_errors(bad, match, use_ext, monkeypatch):
     x = randn(2, 300)
     kw = dict(k=3)
     kw.update(bad)
-    real = ops._check_compact
+    real = topk._check_compact
     if not use_ext:  # the Python validator (twin, GPU tensors) must say the same words
-        monkeypatch.setattr(ops, "_check_compact",
+        monkeypatch.setattr(topk, "_check_compact",
                             lambda *a, **k: real(*a, **k, use_ext=False))
     with pytest.raises(ValueError, match=match) as err:
         ops.topk_logprobs(x, **kw)
@@ -344,15 +343,15 @@ def test_property_against_reference(p):
     ref = reference(x, k, lists, biases)
     a, b = compact(lists), compact_bias(biases)
     B, V = x.shape
-    ca = ops._check_compact("allowed", a, B, V, x.device, False)
-    cb = ops._check_compact("logit_bias", b, B, V, x.device, True)
-    assert_matches(ops._topk_logprobs_torch(x, k, ca, cb), ref, 5e-5)
+    ca = topk._check_compact("allowed", a, B, V, x.device, False)
+    cb = topk._check_compact("logit_bias", b, B, V, x.device, True)
+    assert_matches(topk._topk_logprobs_torch(x, k, ca, cb), ref, 5e-5)
     for isa in ISAS:
-        ops._C.set_cpu_isa(isa)
+        ops.configure(cpu_isa=isa)
         try:
             assert_matches(ops.topk_logprobs(x, k, a, b), ref, 1e-5)
         finally:
-            ops._C.set_cpu_isa("auto")
+            ops.configure()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,12 +367,39 @@ def test_backend_names():
 def test_forced_backend(mode, expect):
     if mode == "ext" and not HAS_EXT:
         pytest.skip("extension not built")
-    env = dict(os.environ, FREETOKEN_OPS=mode)
-    out = subprocess.run([sys.executable, "-c",
-                          "import freetoken.ops as o; print(o.backend())"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == expect
+    ops.configure(backend=mode)
+    try:
+        assert ops.backend() == expect
+        assert ops.config().backend == mode
+    finally:
+        ops.configure()
+    assert ops.backend() == ("ext-cpu" if HAS_EXT else "torch")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(backend="gpu"), "backend must be one of auto, ext, torch, got 'gpu'"),
+    (dict(linear="fast"), "linear must be one of auto, panels, onednn, torch, got 'fast'"),
+    (dict(cpu_isa="neon"), "cpu_isa must be one of auto, avx512, avx2, base, got 'neon'"),
+    (dict(pool_poll_us=-1), "pool_poll_us must be an int >= 0, got -1"),
+    (dict(pool_poll_us=1.5), "pool_poll_us must be an int >= 0, got 1.5"),
+])
+def test_configure_refuses_bad_values(bad, match):
+    before = ops.config()
+    with pytest.raises(ValueError, match=match):
+        ops.configure(**bad)
+    assert ops.config() == before
+
+
+def test_configure_sets_every_switch():
+    isa = (ops.available_cpu_isas() or ("auto",))[-1]
+    try:
+        ops.configure(linear="panels", cpu_isa=isa, pool_poll_us=0)
+        assert ops.config() == ops.OpsConfig("auto", "panels", isa, 0)
+        if HAS_EXT:
+            assert ops.cpu_isa() == isa
+    finally:
+        ops.configure()
+    assert ops.config() == ops.OpsConfig()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,18 @@
-"""ops.panel_linear (csrc/linear_cpu.cpp): x @ W^T (+ bias) over W packed once into panels, held
+"""ops.panel_linear (csrc/linear/): x @ W^T (+ bias) over W packed once into panels, held
 to an fp64 reference on every ISA variant, with N and K tails, any M, both thread paths, and the
 errors for bad inputs."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from freetoken import ops
+from freetoken.ops.backend import _C
 
 torch.set_num_threads(1)
 
@@ -189,18 +192,27 @@ def test_bad_inputs_raise():
         ops.panel_linear(torch.randn(2, 3, 18)[..., ::2], p)
     # the C++ checks stand on their own too (what a direct _C caller gets)
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops._C.panel_linear(torch.randn(3, 18)[:, ::2], p)
+        _C.panel_linear(torch.randn(3, 18)[:, ::2], p)
     with pytest.raises(RuntimeError, match="K = 8"):
-        ops._C.panel_linear(torch.randn(3, 8), p)
+        _C.panel_linear(torch.randn(3, 8), p)
 
 
-def test_without_extension_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(ops, "_HAS_PANEL", False)
-    assert not ops.panel_linear_available(torch.empty(1))
-    with pytest.raises(RuntimeError, match="panel_linear needs freetoken._C"):
-        ops.panel_linear(torch.randn(1, 4), torch.empty(80))
-    with pytest.raises(RuntimeError, match="pack_panels needs freetoken._C"):
-        ops.pack_panels(torch.randn(4, 4))
+def test_without_extension_is_a_clear_error():
+    """A pure-Python install (freetoken._C absent): no panels, and a clear error from each op."""
+    code = """
+import sys
+sys.modules["freetoken._C"] = None  # the import fails, as without a build
+import pytest, torch
+import freetoken.ops as ops
+assert ops.backend() == "torch" and not ops.panel_linear_available(torch.empty(1))
+with pytest.raises(RuntimeError, match="panel_linear needs freetoken._C"):
+    ops.panel_linear(torch.randn(1, 4), torch.empty(80))
+with pytest.raises(RuntimeError, match="pack_panels needs freetoken._C"):
+    ops.pack_panels(torch.randn(4, 4))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_available_for_fp32_and_bf16_cpu():

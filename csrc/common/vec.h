@@ -1,12 +1,12 @@
 // Vectors of L lanes (GCC vector extensions) for the CPU kernels written once and compiled per
-// ISA (cpu_target.h): L = 16 on AVX-512, 8 on AVX2, 4 on baseline x86-64. Shared by the panel
+// ISA (common/isa.h): L = 16 on AVX-512, 8 on AVX2, 4 on baseline x86-64. Shared by the panel
 // linears and paged attention.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_target.h"
+#include "common/isa.h"
 
 namespace freetoken {
 namespace vec {

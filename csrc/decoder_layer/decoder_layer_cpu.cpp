@@ -15,11 +15,11 @@
 // few-rows form (GGUF blocks, bf16 panels) when the step has at most few_rows_max rows, else
 // the main panels; a projection with neither for the step's rows (bf16 oneDNN weights, many
 // rows) means serves() is false and the caller keeps the Python path.
-#include "decoder_layer_cpu.h"
+#include "decoder_layer/decoder_layer_cpu.h"
 
-#include "linear_cpu.h"
-#include "ops_torch.h"
-#include "paged_attention_cpu.h"
+#include "attention/paged_attention_cpu.h"
+#include "elementwise/elementwise_cpu.h"
+#include "linear/linear_cpu.h"
 
 namespace freetoken {
 

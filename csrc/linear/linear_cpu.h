@@ -1,4 +1,4 @@
-// The panel linear (csrc/linear_cpu.cpp): y = x @ W^T (+ bias) in fp32 over W packed once into
+// The panel linear (linear_cpu.cpp): y = x @ W^T (+ bias) in fp32 over W packed once into
 // column panels, for decode's few rows. Declarations for bindings.cpp.
 #pragma once
 
@@ -16,7 +16,7 @@ at::Tensor panel_pack_cpu(const at::Tensor& weight);
 
 // GGUF rows [N, K / 32 * block bytes] (uint8) of type "Q4_1" or "Q8_0" -> the packed form: a
 // 1-D uint8 tensor, the same header (dtype 2 Q4_1 / 3 Q8_0) then the blocks regrouped per panel
-// (csrc/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it.
+// (csrc/linear/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it.
 at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K);
 
 // {N, K} of a packed tensor (checks its header).

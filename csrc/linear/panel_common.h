@@ -1,5 +1,5 @@
-// What the two panel linears share (csrc/linear_cpu.cpp: fp32 / bf16 weights;
-// csrc/quant_linear_cpu.cpp: GGUF Q4_1 / Q8_0 blocks): the packed tensor's header, the vector
+// What the two panel linears share (linear_cpu.cpp: fp32 / bf16 weights;
+// quant_linear_cpu.cpp: GGUF Q4_1 / Q8_0 blocks): the packed tensor's header, the vector
 // types of their micro-kernels, the huge-page advice.
 #pragma once
 
@@ -13,8 +13,8 @@
 #include <sys/mman.h>
 #endif
 
-#include "cpu_target.h"
-#include "cpu_vec.h"
+#include "common/isa.h"
+#include "common/vec.h"
 
 namespace freetoken {
 namespace panel {
@@ -26,7 +26,7 @@ constexpr int64_t kHeaderBytes = 64;    // so panels stay 64-byte aligned
 // Header word 6: what the panels hold. fp32 / bf16 in a tensor of that dtype; GGUF blocks in a
 // uint8 tensor.
 enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
-// GGUF blocks of 32 k, regrouped per panel (csrc/quant_linear_cpu.cpp): Q4_1 as d[16], m[16]
+// GGUF blocks of 32 k, regrouped per panel (csrc/linear/quant_linear_cpu.cpp): Q4_1 as d[16], m[16]
 // (fp32) then the nibbles in 4 x 16 uint32 words; Q8_0 as d[16] then the int8s in 8 x 16 words.
 constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
 constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
@@ -45,7 +45,7 @@ constexpr double kTaskBytes = 512 << 10;  // the least weight bytes per pool tas
 // poll between the calls of a forward, so a split costs ~2 us, and one core does not saturate
 // DRAM everywhere: on a Sapphire-Rapids-class Xeon one core streams ~11 GB/s, two ~23. At 150
 // us (when a wake-up cost 10-40 us) most decode projections ran on one core: bf16 decode 1 x 1
-// forward 20.9 -> 14.1 ms at 20 us, fp32 panels (FREETOKEN_LINEAR=panels) 8 x 1 29.3 -> 22.2.
+// forward 20.9 -> 14.1 ms at 20 us, fp32 panels (linear "panels") 8 x 1 29.3 -> 22.2.
 constexpr double kInlineNs = 20e3;
 
 struct Header {

@@ -30,9 +30,9 @@
 // are widened exactly into a per-tile fp32 copy. The result is fp32 (the caller casts).
 //
 // ISA: one body compiled for AVX-512, AVX2+FMA and baseline x86-64 through target attributes,
-// chosen per call by freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), like
-// linear_cpu.cpp; no -march. Threads: csrc/task_pool.h (at::parallel_for is serial here); a call
-// estimated to be short stays on the caller.
+// chosen per call by freetoken::current_isa() (common/isa.h; set_cpu_isa), like
+// linear_cpu.cpp; no -march. Threads: csrc/common/task_pool.h (at::parallel_for is serial here);
+// a call estimated to be short stays on the caller.
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
@@ -46,11 +46,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_target.h"
-#include "paged_attention_cpu.h"
-#include "paged_attention_kernels.h"
-#include "ops_torch.h"
-#include "task_pool.h"
+#include "attention/paged_attention_cpu.h"
+#include "attention/paged_attention_kernels.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
 
 namespace freetoken {
 namespace {
@@ -351,9 +350,9 @@ using TaskFn = void (*)(const Problem&, const Task&, const Scratch&);
 
 template <typename CacheT>
 TaskFn pick_task_fn() {
-  const std::string isa = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (isa == "avx512") return &task_avx512<CacheT>;
-  if (isa == "avx2") return &task_avx2<CacheT>;
+  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
+  if (isa == Isa::kAvx512) return &task_avx512<CacheT>;
+  if (isa == Isa::kAvx2) return &task_avx2<CacheT>;
   return &task_base<CacheT>;
 }
 

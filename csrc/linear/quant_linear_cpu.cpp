@@ -12,7 +12,7 @@
 // d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
 // once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit.
 //
-// Layout: panels of 16 output columns, as the fp32 panels (csrc/linear_cpu.cpp), each cut into
+// Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into
 // blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
 // j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
@@ -28,10 +28,9 @@
 #include <cstring>
 #include <string>
 
-#include "cpu_target.h"
-#include "ops_torch.h"
-#include "panel_common.h"
-#include "task_pool.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "linear/panel_common.h"
 
 namespace freetoken {
 
@@ -203,9 +202,9 @@ struct Kernel {
 
 template <Format F>
 Kernel pick_kernel() {
-  const std::string name = cpu_isa();
-  if (name == "avx512") return {&run_avx512<F>, 8};
-  if (name == "avx2") return {&run_avx2<F>, 3};
+  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
+  if (isa == Isa::kAvx512) return {&run_avx512<F>, 8};
+  if (isa == Isa::kAvx2) return {&run_avx2<F>, 3};
   return {&run_base<F>, 1};
 }
 

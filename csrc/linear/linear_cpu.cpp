@@ -31,9 +31,9 @@
 // (as oneDNN's bf16 linear: fp32 accumulation, one rounding of the output).
 //
 // ISA: one body, compiled for AVX-512, AVX2+FMA and baseline x86-64 through target attributes and
-// chosen per call by freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), like
+// chosen per call by freetoken::current_isa() (common/isa.h; set_cpu_isa), like
 // elementwise_cpu.cpp; no -march.
-#include "linear_cpu.h"
+#include "linear/linear_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -48,10 +48,9 @@
 #include <thread>
 #include <type_traits>
 
-#include "cpu_target.h"
-#include "ops_torch.h"
-#include "panel_common.h"
-#include "task_pool.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "linear/panel_common.h"
 
 namespace freetoken {
 namespace {
@@ -349,9 +348,9 @@ struct Kernel {
 
 template <typename WT, typename XT>
 Kernel<WT, XT> pick_kernel() {
-  const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (name == "avx512") return {&run_avx512<WT>, &transpose_avx512<XT>, 16, 14};
-  if (name == "avx2") return {&run_avx2<WT>, &transpose_avx2<XT>, 6, 0};
+  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
+  if (isa == Isa::kAvx512) return {&run_avx512<WT>, &transpose_avx512<XT>, 16, 14};
+  if (isa == Isa::kAvx2) return {&run_avx2<WT>, &transpose_avx2<XT>, 6, 0};
   return {&run_base<WT>, &transpose_base<XT>, 2, 0};
 }
 

@@ -1,8 +1,8 @@
 // Fused elementwise ops of the Llama forward on the CPU: RMSNorm (optionally after the residual
 // add), SiLU(gate) * up on the fused gate_up output, and rotate_half RoPE in place on q and k.
 //
-// Why: the torch code (freetoken/model/llama.py, the twins in freetoken/ops.py) runs each as 3-7
-// ops, each a dispatch, a fresh tensor and a pass over the data; the fused kernel is one call and
+// Why: the torch code (freetoken/model/llama.py, the twins in freetoken/ops/elementwise.py) runs
+// each as 3-7 ops, each a dispatch, a fresh tensor and a pass over the data; the fused kernel is one call and
 // one pass (a row is re-read only from L1).
 //
 // Numerics: the twin's, op by op. Every intermediate torch rounds to the tensor's dtype is rounded
@@ -11,7 +11,7 @@
 // over [-86, 88.72], vs Sleef's). RoPE is bitwise the twin's (compiled without FMA contraction).
 //
 // ISA: every kernel is compiled three times (AVX-512, AVX2+FMA, baseline) from one auto-vectorized
-// body, and the variant follows freetoken::cpu_isa() (FREETOKEN_CPU_ISA / set_cpu_isa), as the
+// body, and the variant follows freetoken::current_isa() (common/isa.h; set_cpu_isa), as the
 // top-k kernel does. Unlike target_clones, the tests can then run all three on
 // one machine. No -march: the wheel runs on any x86-64.
 #include <ATen/Parallel.h>
@@ -23,9 +23,9 @@
 #include <cstring>
 #include <string>
 
-#include "cpu_target.h"
-#include "ops_torch.h"
-#include "task_pool.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "elementwise/elementwise_cpu.h"
 
 // NOTE: the kernel sections (everything above the torch glue) use -fno-trapping-math. Results are
 // unchanged (it only lets GCC assume that fp ops raise no traps); without it GCC turns exp's
@@ -300,7 +300,7 @@ struct RopeVariants {
 namespace freetoken {
 namespace {
 
-// NOTE: these ops run on the kernels' TaskPool (csrc/task_pool.h), whose helpers poll between
+// NOTE: these ops run on the kernels' TaskPool (common/task_pool.h), whose helpers poll between
 // the calls of a forward: a split costs ~2 us there against ~40 us for waking OpenMP's workers
 // under OMP_WAIT_POLICY=PASSIVE. Below this many input elements an op stays on the caller (a
 // decode step's rows); above it the rows go in equal ranges to every thread (a classify step's
@@ -308,20 +308,11 @@ namespace {
 constexpr int64_t kSplitElements = int64_t{1} << 15;
 constexpr int64_t kTasksPerThread = 2;
 
-enum class Isa { kAvx512, kAvx2, kBase };
-
-Isa current_isa_kind() {
-  const std::string name = cpu_isa();  // cpuid-checked; follows set_cpu_isa
-  if (name == "avx512") return Isa::kAvx512;
-  if (name == "avx2") return Isa::kAvx2;
-  return Isa::kBase;
-}
-
 // V: a struct with static avx512 / avx2 / base (const Args&, begin, end) over rows.
 template <typename V>
 void run_rows(const typename V::Args& a, int64_t rows, int64_t row_elements) {
   void (*fn)(const typename V::Args&, int64_t, int64_t) = &V::base;
-  switch (current_isa_kind()) {
+  switch (current_isa()) {  // cpuid-checked; follows set_cpu_isa
     case Isa::kAvx512:
       fn = &V::avx512;
       break;

@@ -9,7 +9,8 @@
 // time: a second concurrent caller, or a forked child (no helpers), runs its tasks alone.
 //
 // Waiting: a helper that has just run tasks polls for the next call for up to 200 us
-// (FREETOKEN_POOL_POLL_US; less while calls come far apart, see helper()) before it sleeps
+// (set_poll_us, from freetoken.ops.configure(pool_poll_us=...); less while calls come far apart,
+// see helper()) before it sleeps
 // on the condition variable, and the caller polls for the helpers' last tasks as long before it
 // sleeps. A forward is a chain of calls ~20-200 us apart; a futex wake-up costs ~10-40 us here,
 // which made a 2-thread 1536 x 576 linear at 8 rows 123 us against 141 us on one thread. The
@@ -19,7 +20,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -33,6 +33,11 @@ class TaskPool {
   static TaskPool& get() {
     static TaskPool* pool = new TaskPool();  // never destroyed: helpers are detached
     return *pool;
+  }
+
+  // How long helpers and the caller poll before they sleep (default 200 us; 0: sleep at once).
+  static void set_poll_us(int64_t us) {
+    poll_ns_setting().store(std::max<int64_t>(0, us) * 1000, std::memory_order_relaxed);
   }
 
   // fn(0) .. fn(n - 1), on the caller and up to nthreads - 1 helpers.
@@ -84,14 +89,11 @@ class TaskPool {
     }
   }
 
-  // FREETOKEN_POOL_POLL_US (default 200; 0: sleep at once) is read once.
-  static int64_t poll_ns() {
-    static const int64_t ns = [] {
-      const char* env = std::getenv("FREETOKEN_POOL_POLL_US");
-      return env && *env ? std::max<int64_t>(0, std::atoll(env)) * 1000 : int64_t{200000};
-    }();
+  static std::atomic<int64_t>& poll_ns_setting() {
+    static std::atomic<int64_t> ns{200000};
     return ns;
   }
+  static int64_t poll_ns() { return poll_ns_setting().load(std::memory_order_relaxed); }
 
   // Polls until done() or `ns` have passed.
   template <typename Done>

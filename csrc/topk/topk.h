@@ -1,7 +1,7 @@
 // freetoken._C: the fused mask / logit-bias / log-softmax / top-k kernel.
 //
-// This header is torch-free: the CPU ISA kernels (cpu_kernel_*.cpp) and the CUDA sources
-// (cuda/*.cu) include it; the torch glue lives in ops_cpu.cpp and cuda/ops_cuda_glue.cpp.
+// This header is torch-free: the CPU ISA kernels (topk_kernels.cpp) and the CUDA sources
+// (cuda/*.cu) include it; the torch glue lives in topk_cpu.cpp and cuda/ops_cuda_glue.cpp.
 //
 // Contract (see docs/architecture.md, "Kernel"): per row r of logits [B, V],
 //   x(t) = logit(t) + bias(t)                  bias summed over duplicate ids
@@ -51,9 +51,10 @@ struct IsaKernels {
   ValuesFn values;
 };
 
-namespace isa_avx512 { IsaKernels kernels(); bool compiled(); }
-namespace isa_avx2 { IsaKernels kernels(); bool compiled(); }
-namespace isa_base { IsaKernels kernels(); bool compiled(); }
+// One per ISA variant (topk_kernels.cpp; avx512 and avx2 only where FT_HAS_ISA_VARIANTS).
+namespace isa_avx512 { IsaKernels kernels(); }
+namespace isa_avx2 { IsaKernels kernels(); }
+namespace isa_base { IsaKernels kernels(); }
 
 // Insert (v, id) into P's sorted top-k list; shared by every ISA and the merge.
 inline bool topk_better(float a, int32_t ia, float b, int32_t ib) {

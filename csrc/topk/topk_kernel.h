@@ -1,9 +1,10 @@
-// The dense one-pass kernel, compiled once per ISA (cpu_kernel_{avx512,avx2,base}.cpp).
+// The dense one-pass kernel, compiled once per ISA (topk_kernels.cpp).
 //
-// Not a normal header: each including TU first includes <immintrin.h> and ops.h, then sets
-// `#pragma GCC target(...)`, defines FT_ISA_NS and FT_ISA_LEVEL (2 = AVX-512, 1 = AVX2+FMA+F16C,
-// 0 = baseline x86-64 / any CPU), and includes this file. Everything here has internal linkage
-// (an anonymous namespace) so no ISA-specific inline function can be merged into another TU.
+// Not a normal header: topk_kernels.cpp includes <immintrin.h> and topk.h, then defines FT_ISA_NS,
+// FT_ISA_NAME, FT_ISA_LEVEL (2 = AVX-512, 1 = AVX2+FMA+F16C, 0 = baseline x86-64 / any CPU) and
+// FT_ISA_FN (the variant's FT_TARGET_* attribute, common/isa.h, carried by every function here,
+// the intrinsics need it) and includes this file, once per ISA. Everything here has internal
+// linkage (an anonymous namespace) so no ISA-specific inline function can be merged across ISAs.
 //
 // Per block of kBlock elements (L1-resident): convert/bias/mask into a buffer when needed, take
 // the block max, insert top-k candidates only when the block max beats the current k-th value
@@ -29,18 +30,20 @@ typedef uint16_t vh __attribute__((vector_size(2 * L)));
 
 constexpr float kNegInf = -__builtin_inff();
 
-#define FT_INLINE inline __attribute__((always_inline))
+// Every function of the body carries the variant's target (FT_ISA_FN).
+#undef FT_KFN
+#define FT_KFN inline __attribute__((always_inline)) FT_ISA_FN
 
-FT_INLINE vf splat(float x) { return vf{} + x; }
-FT_INLINE vf loadu(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
-FT_INLINE void storeu(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
+FT_KFN vf splat(float x) { return vf{} + x; }
+FT_KFN vf loadu(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
+FT_KFN void storeu(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-FT_INLINE float hmax(vf v) {
+FT_KFN float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < L; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-FT_INLINE float hsum(vf v) {
+FT_KFN float hsum(vf v) {
   float t[L];
   for (int i = 0; i < L; ++i) t[i] = v[i];
   for (int w = L / 2; w > 0; w /= 2)
@@ -60,7 +63,7 @@ constexpr float kLog2e = 1.44269504088896341f;
               SET(2.402264791363012e-1f)), F, SET(6.931472028550421e-1f)), F, SET(1.0f))
 
 // exp(x - m) per lane (the method above).
-FT_INLINE vf exp_shifted(vf x, vf m) {
+FT_KFN vf exp_shifted(vf x, vf m) {
 #if FT_ISA_LEVEL >= 2
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f),  // max(lo, NaN) = NaN
                                  _mm512_mul_ps(_mm512_sub_ps((__m512)x, (__m512)m),
@@ -92,11 +95,11 @@ FT_INLINE vf exp_shifted(vf x, vf m) {
 #endif
 }
 
-FT_INLINE vf vmax(vf a, vf b) { return b > a ? b : a; }  // a NaN b is ignored
+FT_KFN vf vmax(vf a, vf b) { return b > a ? b : a; }  // a NaN b is ignored
 
 // One pass over nv values (a multiple of L) read by load(i): s = sum exp(x - ref), bm = max x.
 template <typename Load>
-FT_INLINE void sum_and_max(const Load& load, int64_t nv, float ref, float& s, float& bm) {
+FT_KFN void sum_and_max(const Load& load, int64_t nv, float ref, float& s, float& bm) {
   const vf mv = splat(ref);
   vf s0 = splat(0.0f), s1 = s0, m0 = splat(kNegInf), m1 = m0;
   int64_t i = 0;
@@ -116,7 +119,7 @@ FT_INLINE void sum_and_max(const Load& load, int64_t nv, float ref, float& s, fl
   bm = hmax(vmax(m0, m1));
 }
 template <typename Load>
-FT_INLINE float max_only(const Load& load, int64_t nv) {
+FT_KFN float max_only(const Load& load, int64_t nv) {
   vf m0 = splat(kNegInf), m1 = m0;
   int64_t i = 0;
   for (; i + 2 * L <= nv; i += 2 * L) {
@@ -127,7 +130,7 @@ FT_INLINE float max_only(const Load& load, int64_t nv) {
   return hmax(vmax(m0, m1));
 }
 template <typename Load>
-FT_INLINE float sum_only(const Load& load, int64_t nv, float ref) {
+FT_KFN float sum_only(const Load& load, int64_t nv, float ref) {
   const vf mv = splat(ref);
   vf s0 = splat(0.0f), s1 = s0;
   int64_t i = 0;
@@ -140,7 +143,7 @@ FT_INLINE float sum_only(const Load& load, int64_t nv, float ref) {
 }
 
 // Lanes of v strictly greater than thr (ge: or equal), as an L-bit mask.
-FT_INLINE uint32_t cmp_mask(vf v, float thr, bool ge) {
+FT_KFN uint32_t cmp_mask(vf v, float thr, bool ge) {
 #if FT_ISA_LEVEL >= 2
   __m512 a = (__m512)v, b = _mm512_set1_ps(thr);
   return ge ? (uint32_t)_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ)
@@ -156,7 +159,7 @@ FT_INLINE uint32_t cmp_mask(vf v, float thr, bool ge) {
 #endif
 }
 
-FT_INLINE float half_to_float(uint16_t h) {
+FT_KFN float half_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t em = h & 0x7fffu;
   uint32_t bits;
@@ -176,7 +179,7 @@ FT_INLINE float half_to_float(uint16_t h) {
 }
 
 // L elements of the row starting at element i, as fp32.
-FT_INLINE vf loadv(const void* row, int32_t dtype, int64_t i) {
+FT_KFN vf loadv(const void* row, int32_t dtype, int64_t i) {
   if (dtype == kF32) return loadu((const float*)row + i);
   const uint16_t* p = (const uint16_t*)row + i;
   if (dtype == kBF16) {
@@ -196,7 +199,7 @@ FT_INLINE vf loadv(const void* row, int32_t dtype, int64_t i) {
 #endif
 }
 
-FT_INLINE float load1(const void* row, int32_t dtype, int64_t i) {
+FT_KFN float load1(const void* row, int32_t dtype, int64_t i) {
   if (dtype == kF32) return ((const float*)row)[i];
   uint16_t h = ((const uint16_t*)row)[i];
   if (dtype == kBF16) {
@@ -208,10 +211,10 @@ FT_INLINE float load1(const void* row, int32_t dtype, int64_t i) {
   return half_to_float(h);
 }
 
-FT_INLINE bool better(float a, int32_t ia, float b, int32_t ib) {
+FT_KFN bool better(float a, int32_t ia, float b, int32_t ib) {
   return a > b || (a == b && ia < ib);
 }
-FT_INLINE void insert(Partial* P, int32_t k, float v, int32_t id) {
+FT_KFN void insert(Partial* P, int32_t k, float v, int32_t id) {
   int32_t n = P->cnt;
   if (n == k) {
     if (!better(v, id, P->vals[k - 1], P->ids[k - 1])) return;
@@ -247,7 +250,7 @@ struct Acc {
 // max: one pass. Only when the block's max exceeds the reference by > 64 (fp32 could overflow)
 // is the sum redone against the block max; with no reference yet, max first, then sum.
 template <typename Load>
-FT_INLINE void block(const Load& load, const float* src, float* buf, int64_t n, int64_t nv,
+FT_KFN void block(const Load& load, const float* src, float* buf, int64_t n, int64_t nv,
                      int64_t base, const int32_t* ids, const uint64_t* allowed, int32_t k,
                      Partial* P, Acc& acc) {
   float s = 0.0f, bm, ref;
@@ -320,25 +323,30 @@ FT_INLINE void block(const Load& load, const float* src, float* buf, int64_t n, 
   acc.m = M;
 }
 
-FT_INLINE void finish(Partial* P, const Acc& acc) {
+FT_KFN void finish(Partial* P, const Acc& acc) {
   P->m = acc.m;
   P->s = acc.s;
   P->flags = acc.flags | (acc.s != acc.s ? kFlagNaN : 0);
 }
 
-void dense_impl(const DenseArgs& a, Partial* P) {
+// load(i) for values read straight from memory (a row, buf).
+struct LoadFrom {
+  const float* p;
+  FT_KFN vf operator()(int64_t i) const { return loadu(p + i); }
+};
+
+FT_ISA_FN void dense_impl(const DenseArgs& a, Partial* P) {
   alignas(64) float buf[kBlock];
   P->cnt = 0;
   Acc acc;
-  const auto from_buf = [&](int64_t i) { return loadu(buf + i); };
+  const LoadFrom from_buf{buf};
   for (int64_t b0 = a.lo; b0 < a.hi; b0 += kBlock) {
     const int64_t n = a.hi - b0 < kBlock ? a.hi - b0 : kBlock;
     const int64_t nv = (n + 15) & ~int64_t(15);
     const bool has_bias = a.bias_blk && a.bias_blk[b0 / kBlock];
     if (a.dtype == kF32 && !has_bias && !a.bits && n == nv) {  // straight from the row
       const float* src = (const float*)a.row + b0;
-      block([&](int64_t i) { return loadu(src + i); }, src, buf, n, nv, b0, nullptr, nullptr,
-            a.k, P, acc);
+      block(LoadFrom{src}, src, buf, n, nv, b0, nullptr, nullptr, a.k, P, acc);
       continue;
     }
     // NOTE: bf16/fp16 are converted into buf first: converting inside the exp pass measured
@@ -366,7 +374,8 @@ void dense_impl(const DenseArgs& a, Partial* P) {
   finish(P, acc);
 }
 
-void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k, Partial* P) {
+FT_ISA_FN void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k,
+                           Partial* P) {
   alignas(64) float buf[kBlock];
   P->cnt = 0;
   Acc acc;
@@ -374,8 +383,7 @@ void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k, Pa
     const int64_t nb = n - b0 < kBlock ? n - b0 : kBlock;
     const int64_t nv = (nb + 15) & ~int64_t(15);
     const float* src = vals + b0;
-    block([&](int64_t i) { return loadu(src + i); }, src, buf, nb, nv, 0, ids + b0, nullptr, k,
-          P, acc);
+    block(LoadFrom{src}, src, buf, nb, nv, 0, ids + b0, nullptr, k, P, acc);
   }
   finish(P, acc);
 }
@@ -383,7 +391,6 @@ void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k, Pa
 }  // namespace
 
 IsaKernels kernels() { return IsaKernels{FT_ISA_NAME, &dense_impl, &values_impl}; }
-bool compiled() { return true; }
 
 }  // namespace FT_ISA_NS
 }  // namespace freetoken

@@ -1,11 +1,11 @@
 // CPU topk_logprobs: argument checks, per-row planning (gather / dense bitmask / dense), the
-// parallel loop over (row, chunk) tasks, the merge, and the runtime ISA choice.
+// parallel loop over (row, chunk) tasks, the merge; the dense kernel's ISA variant follows
+// current_isa() (common/isa.h).
 #include <ATen/Parallel.h>  // at::get_num_threads: the pool follows torch.set_num_threads
 #include <torch/extension.h>
 
 #include <cmath>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -15,52 +15,22 @@
 #include <thread>
 #include <vector>
 
-#include "ops.h"
-#include "ops_torch.h"
-#include "task_pool.h"
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "topk/topk.h"
+#include "topk/topk_torch.h"
 
 namespace freetoken {
 namespace {
 
-IsaKernels pick_isa(const std::string& want) {
-  const bool x86 =
-#if defined(__x86_64__) && defined(__GNUC__)
-      true;
-#else
-      false;
+IsaKernels kernels_for(Isa isa) {
+  switch (isa) {
+#if FT_HAS_ISA_VARIANTS
+    case Isa::kAvx512: return isa_avx512::kernels();
+    case Isa::kAvx2: return isa_avx2::kernels();
 #endif
-  bool has512 = false, has2 = false;
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("bmi2");
-#endif
-  has512 = has512 && x86 && isa_avx512::compiled();
-  has2 = (has2 || has512) && x86 && isa_avx2::compiled();
-  if (want == "avx512") {
-    TORCH_CHECK(has512, "freetoken: the avx512 kernel is not available on this CPU/build");
-    return isa_avx512::kernels();
+    default: return isa_base::kernels();
   }
-  if (want == "avx2") {
-    TORCH_CHECK(has2, "freetoken: the avx2 kernel is not available on this CPU/build");
-    return isa_avx2::kernels();
-  }
-  if (want == "base") return isa_base::kernels();
-  TORCH_CHECK(want.empty() || want == "auto", "freetoken: unknown ISA '", want,
-              "' (auto, avx512, avx2, base)");
-  if (has512) return isa_avx512::kernels();
-  if (has2) return isa_avx2::kernels();
-  return isa_base::kernels();
-}
-
-IsaKernels& current_isa() {
-  static IsaKernels k = [] {
-    const char* env = std::getenv("FREETOKEN_CPU_ISA");
-    return pick_isa(env ? env : "");
-  }();
-  return k;
 }
 
 // Per-thread scratch, all indexed by absolute token id and kept all-zero between tasks (each
@@ -208,7 +178,7 @@ void check_compact(const c10::optional<at::Tensor>& offsets, const c10::optional
 
 std::string check_compact_cpu(const at::Tensor& offsets, const at::Tensor& ids,
                              const c10::optional<at::Tensor>& values, int64_t B, int64_t V) {
-  // The same checks and words as freetoken/ops.py's Python validator (tests hold them equal).
+  // The same checks and words as freetoken/ops/topk.py's Python validator (tests hold them equal).
   TORCH_CHECK(offsets.device().is_cpu() && ids.device().is_cpu() &&
                   offsets.scalar_type() == at::kInt && ids.scalar_type() == at::kInt &&
                   offsets.is_contiguous() && ids.is_contiguous(),
@@ -260,9 +230,6 @@ std::string check_compact_cpu(const at::Tensor& offsets, const at::Tensor& ids,
   }
   return "";
 }
-
-std::string cpu_isa() { return current_isa().name; }
-void set_cpu_isa(const std::string& name) { current_isa() = pick_isa(name); }
 
 void check_topk_args(const at::Tensor& logits, int64_t k,
                      const c10::optional<at::Tensor>& allowed_offsets,
@@ -348,7 +315,7 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   row_task[B] = (int64_t)tasks.size();
 
   std::vector<Partial> parts(tasks.size());
-  const IsaKernels isa = current_isa();
+  const IsaKernels isa = kernels_for(current_isa());  // follows set_cpu_isa
   const char* base = (const char*)logits.data_ptr();
   const int64_t row_bytes = V * logits.element_size();
   const int64_t ntasks = (int64_t)tasks.size();

@@ -1,4 +1,4 @@
-// The micro-kernels of csrc/paged_attention_cpu.cpp: vectors of L floats (GCC vector
+// The micro-kernels of csrc/attention/paged_attention_cpu.cpp: vectors of L floats (GCC vector
 // extensions), the exp of the softmax, the two register-blocked products of a key tile
 // (S^T = K Q^T and O += P V), decode's dot-product S = Q K^T (qk_dot_*), the prefetch of the
 // rows and, per ISA, their loops as out-of-line functions.
@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_target.h"
-#include "cpu_vec.h"
+#include "common/isa.h"
+#include "common/vec.h"
 
 namespace freetoken {
 namespace paged_attention_kernels {
