@@ -19,23 +19,23 @@ import os
 import statistics
 import sys
 
-# run as a script, this folder is on sys.path
-import bench_serve
-from compare_peers import Server, free_port
+from freetoken.testing import loadgen
+from freetoken.testing.process import ServerProcess
 
 
 def run(tree: str, extra: list[str], label: str, wl: str, n: int, model: str | None,
         logdir: str) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "freetoken", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *(["--model", model] if model else []), *extra]
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_WAIT_POLICY="PASSIVE")
-    server = Server(label, cmd, port, os.path.join(logdir, f"{label}-{wl}.log"), env)
+    server = ServerProcess(["--host", "127.0.0.1", "--log-level", "warning",
+                            *(["--model", model] if model else []), *extra],
+                           env=dict(os.environ, PYTHONPATH=os.path.abspath(tree),
+                                    OMP_WAIT_POLICY="PASSIVE"),
+                           log_path=os.path.join(logdir, f"{label}-{wl}.log"), new_session=True,
+                           cwd=os.path.abspath(tree))
     try:
-        bench_serve.wait_ready(server.url, timeout=300, proc=server.proc)
-        return bench_serve.run_once(server.url, wl, n=n, label=label, warmup=2, quiet=True)
+        server.start(timeout_s=300)
+        return loadgen.run_once(server.url, wl, n=n, label=label, warmup=2, quiet=True)
     finally:
-        server.stop()
+        server.stop(timeout_s=20)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,17 +23,16 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when OpenMP starts
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch  # noqa: E402
-
-# The workloads are bench_serve's (the same prompts through the engine API and over HTTP).
-from bench_serve import DECODE_PROMPTS, PREFIX, reviews  # noqa: E402
 
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
 from freetoken.engine.sampling_params import SamplingParams  # noqa: E402
 from freetoken.loader import load_model  # noqa: E402
+
+# The workloads are scripts/bench_serve.py's (the same prompts through the engine API and over
+# HTTP).
+from freetoken.testing.workloads import DECODE_PROMPTS, PREFIX, reviews  # noqa: E402
 
 
 def progress(msg: str) -> None:

@@ -19,9 +19,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def log(msg: str) -> None:

@@ -20,8 +20,6 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

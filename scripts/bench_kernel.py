@@ -26,7 +26,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its O
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import freetoken.ops as ops  # noqa: E402
 from freetoken.ops.backend import _C  # noqa: E402
 

@@ -26,8 +26,6 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch  # noqa: E402
 
 from freetoken import ops  # noqa: E402

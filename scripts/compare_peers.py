@@ -19,9 +19,9 @@ What it does:
     transformers baseline (scripts/peer_transformers.py) with its default threads and with
     OMP_WAIT_POLICY=PASSIVE;
  4. starts every server fresh for every run (no prompt cache carried from one rep to the next)
-    and runs the workloads of scripts/bench_serve.py against it, interleaved: rep 0 runs A B C,
-    rep 1 C B A, ... so drift of the shared machine hits all alike; the load average is recorded
-    before every run, the server's time to ready with it;
+    and runs the workloads of freetoken/testing/workloads.py against it, interleaved: rep 0
+    runs A B C, rep 1 C B A, ... so drift of the shared machine hits all alike; the load average
+    is recorded before every run, the server's time to ready with it;
  5. measures the machine's bounds (scripts/compute_bound.py: after the runs, and the GEMM peak
     and read bandwidth again right before each FreeToken fp32 run, whose ratio to its own
     moment's bound is the bound row), and the logprob drift of every system against FreeToken
@@ -45,17 +45,15 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
 
-# run as a script, this folder is on sys.path: its neighbours import as modules
-import bench_serve
-import peer_report
+from freetoken.cluster import free_port
+from freetoken.testing import loadgen, peer_report
+from freetoken.testing.peers import System, server_command, systems_for
+from freetoken.testing.process import ServerProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -140,106 +138,8 @@ def build_llama_server(jobs: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# the systems and their environments
-# ---------------------------------------------------------------------------------------------
-
-# The variables through which an environment tunes a program's OpenMP / MKL threads. A peer runs
-# with none of them, as its own docs run it: the benchmark's shell (scripts/test exports
-# OMP_WAIT_POLICY, for one) must not leak into it.
-THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
-
-
-def default_env() -> dict[str, str]:
-    """This process's environment without any thread-tuning variable."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(THREAD_ENV_PREFIXES)}
-
-
-@dataclass(frozen=True)
-class System:
-    """One row of the comparison: a program, its arguments and its environment.
-
-    `column` is the table column the row competes for (the best row of a column is the figure
-    the README shows); None for a row that is only shown (the PASSIVE llama-server)."""
-    name: str
-    kind: str  # "freetoken" | "llama-server" | "transformers"
-    column: str | None
-    args: tuple[str, ...] = ()
-    env_set: tuple[tuple[str, str], ...] = ()
-
-    def env(self) -> dict[str, str]:
-        env = default_env()
-        env.update(self.env_set)
-        return env
-
-
-PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
-
-
-def systems_for(threads: int) -> list[System]:
-    """Every system the comparison knows, `threads` being the machine's core count."""
-    t = str(threads)
-    return [
-        # what scripts/serve gives FreeToken: its own pool never waits in an OpenMP barrier,
-        # and PASSIVE keeps torch's OpenMP threads from spinning between small ops
-        System("freetoken-fp32", "freetoken", "freetoken-fp32", (), PASSIVE),
-        System("freetoken-bf16", "freetoken", "freetoken-bf16", ("--dtype", "bfloat16"),
-               PASSIVE),
-        System("llama-server-t1", "llama-server", "llama-server", ("-t", "1", "-tb", "1")),
-        System(f"llama-server-t{t}", "llama-server", "llama-server", ("-t", t, "-tb", t)),
-        # shown, never the table's figure: PASSIVE turns each of ggml's per-node OpenMP
-        # barriers into a futex sleep and wake-up
-        System(f"llama-server-t{t}-passive", "llama-server", None, ("-t", t, "-tb", t),
-               PASSIVE),
-        System("transformers", "transformers", "transformers"),
-        System("transformers-passive", "transformers", "transformers", (), PASSIVE),
-    ]
-
-
-def server_command(system: System, gguf: str, port: int, llama_exe: str | None,
-                   llama_ctx: int) -> list[str]:
-    """The command line that starts `system` as a server on `port`."""
-    if system.kind == "freetoken":
-        return [sys.executable, "-m", "freetoken", "--model", gguf, "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning", *system.args]
-    if system.kind == "llama-server":
-        if llama_exe is None:
-            raise ValueError("llama-server is not built")
-        # -np 8: the workloads keep 8 requests in flight; -c: 8 slots of llama_ctx / 8 tokens
-        return [llama_exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                *system.args, "-np", "8", "-c", str(llama_ctx), "--no-webui"]
-    raise ValueError(f"{system.name} is not a server")
-
-
-# ---------------------------------------------------------------------------------------------
 # runs
 # ---------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, logpath: str, env: dict):
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.logf = open(logpath, "w")
-        log(f"start {name}: {' '.join(cmd)}")
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, env=env,
-                                     cwd=ROOT, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.logf.close()
-
 
 # The runs whose ratio to a bound is reported: the machine's GEMM peak and bandwidth are measured
 # right before each of them (compute_bound.py --machine-only, ~15 s), and each rep has its own
@@ -272,21 +172,21 @@ def run_server_once(args, system: System, wl: str, rep: int, resdir: str) -> dic
     if system.name == BOUND_SYSTEM and wl in BOUND_WORKLOADS:
         extra["machine"] = machine_speed(args)  # before the start: nothing else runs
     port = free_port()
-    server = Server(system.name, server_command(system, args.gguf, port, args.llama_exe,
-                                                args.llama_ctx), port,
-                    os.path.join(resdir, f"{system.name}-{wl}-rep{rep}.log"), system.env())
+    cmd = server_command(system, args.gguf, port, args.llama_exe, args.llama_ctx)
+    server = ServerProcess(command=cmd, port=port, env=system.env(), new_session=True,
+                           log_path=os.path.join(resdir, f"{system.name}-{wl}-rep{rep}.log"))
+    log(f"start {system.name}: {' '.join(cmd)}")
     try:
-        t0 = time.time()
-        bench_serve.wait_ready(server.url, timeout=300, proc=server.proc)
-        extra["ready_s"] = round(time.time() - t0, 2)
+        server.start(timeout_s=300)
+        extra["ready_s"] = round(server.ready_s, 2)
         dump = os.path.join(resdir, f"dump-{system.name}-{wl}.jsonl") \
             if rep == 0 and wl.startswith("classify") else None
         flavor = "llama-server" if system.kind == "llama-server" else "openai"
         # the same seed every rep: each server starts with an empty cache anyway
-        return bench_serve.run_once(server.url, wl, n=args.n_for[wl], flavor=flavor,
-                                    label=system.name, seed=0, warmup=2, dump=dump, extra=extra)
+        return loadgen.run_once(server.url, wl, n=args.n_for[wl], flavor=flavor,
+                                label=system.name, seed=0, warmup=2, dump=dump, extra=extra)
     finally:
-        server.stop()
+        server.stop(timeout_s=20)
 
 
 def run_transformers(args, system: System, wl: str, rep: int, resdir: str) -> list[dict]:

@@ -34,8 +34,6 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def default_gguf() -> str:
     import importlib.metadata as md

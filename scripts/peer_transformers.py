@@ -2,7 +2,8 @@
 """A plain Hugging Face transformers baseline for the classify workload (no server).
 
 Loads the same GGUF that the servers serve (`from_pretrained(dir, gguf_file=name)`: transformers
-dequantizes it to fp32) and scores the classify prompts of scripts/bench_serve.py in batches:
+dequantizes it to fp32) and scores the classify prompts of freetoken/testing/workloads.py in
+batches:
 
   naive   every prompt in full, left-padded batches, logits at the last position only
           (`logits_to_keep=1`, as `generate()` does) -> top-2 logprobs
@@ -26,12 +27,9 @@ import json
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import warnings  # noqa: E402
 
-import bench_serve  # noqa: E402
+from freetoken.testing.workloads import build_workload  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -132,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     tok, model = load(args.model or default_gguf())
     print(f"transformers {__import__('transformers').__version__}: loaded in "
           f"{time.perf_counter() - t0:.1f}s, {args.threads} threads", file=sys.stderr)
-    reqs = bench_serve.build_workload(args.workload, args.num_requests, seed=args.seed)
+    reqs = build_workload(args.workload, args.num_requests, seed=args.seed)
     prompts = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
     if tok.bos_token_id is not None and getattr(tok, "add_bos_token", False):
         prompts = [[tok.bos_token_id] + p for p in prompts]

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,7 @@ from freetoken.engine import Engine
 from freetoken.engine.generate import build_forward_batch
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import ContextTooLong, InvalidRequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from bench_serve import PREFIX  # noqa: E402
+from freetoken.testing.workloads import PREFIX
 
 pytestmark = pytest.mark.real_model
 

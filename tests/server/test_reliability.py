@@ -14,87 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
+from freetoken.testing.live import LiveServer
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytestmark = pytest.mark.real_model
 
-MODEL = "m"
-BASE_ENGINE = dict(
-    max_model_len=256, kv_cache_memory=24 << 20, max_num_seqs=8, max_num_batched_tokens=256,
-    max_queue_len=64,
-)  # fmt: skip
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """One Engine + app + uvicorn thread on a loopback port."""
-
-    def __init__(self, loaded, engine: dict | None = None, **app_kw):
-        import uvicorn
-
-        from freetoken.api import create_app
-        from freetoken.config import EngineConfig
-        from freetoken.engine import Engine
-
-        self.engine = Engine(EngineConfig(**{**BASE_ENGINE, **(engine or {})}), loaded).start()
-        app_kw.setdefault("served_model_name", MODEL)
-        self.app = create_app(self.engine, **app_kw)
-        port = free_port()
-        self.uvicorn = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
-                           access_log=False)
-        )  # fmt: skip
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uvicorn.started:
-            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=60)
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        return self.http.post(path, json=body, **kw)
-
-    def stats(self) -> dict:
-        return self.engine.stats()
-
-    def wait_idle(self, timeout_s: float = 20) -> dict:
-        deadline = time.time() + timeout_s
-        while True:
-            s = self.stats()
-            if s["num_running"] == s["num_waiting"] == s["kv_blocks_used"] == 0:
-                return s
-            assert time.time() < deadline, s
-            time.sleep(0.02)
-
-    def wait_until(self, cond, timeout_s: float = 30) -> dict:
-        deadline = time.time() + timeout_s
-        while True:
-            s = self.stats()
-            if cond(s):
-                return s
-            assert time.time() < deadline, s
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.http.close()
-        self.uvicorn.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +38,10 @@ def loaded(smollm2_fp32):
 
 @pytest.fixture
 def live(loaded):
-    made: list[Live] = []
+    made: list[LiveServer] = []
 
-    def make(engine: dict | None = None, **app_kw) -> Live:
-        made.append(Live(loaded, engine, **app_kw))
+    def make(engine: dict | None = None, **app_kw) -> LiveServer:
+        made.append(LiveServer(loaded, engine, **app_kw))
         return made[-1]
 
     yield make
@@ -120,7 +51,7 @@ def live(loaded):
 
 @pytest.fixture(scope="module")
 def srv(loaded):
-    s = Live(loaded, max_batch_prompts=4, max_body_bytes=1 << 20)
+    s = LiveServer(loaded, max_batch_prompts=4, max_body_bytes=1 << 20)
     yield s
     s.close()
 

@@ -15,9 +15,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_reliability import Live
 
 from freetoken.protocol.requests import ChatCompletionRequest, CompletionRequest
+from freetoken.testing.live import LiveServer
 
 pytestmark = pytest.mark.real_model
 
@@ -197,7 +197,7 @@ def fuzz_srv(smollm2_fp32):
     torch.set_num_threads(1)
     loaded = smollm2_fp32
     # the deadline bounds any valid body that asks for a long generation (504 is documented)
-    s = Live(loaded, engine=dict(max_num_seqs=16), max_batch_prompts=4, request_timeout_s=10)
+    s = LiveServer(loaded, engine=dict(max_num_seqs=16), max_batch_prompts=4, request_timeout_s=10)
     yield s
     s.close()
 

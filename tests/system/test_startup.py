@@ -4,33 +4,21 @@ the model loads, then 200 -- never a 200 before the engine can answer."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from freetoken.testing.process import ServerProcess
+
 pytestmark = pytest.mark.real_model
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_health_is_503_while_loading_then_200(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "freetoken", "--port", str(port),
-                             "--kv-cache-memory", "64MiB"], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    server = ServerProcess(["--kv-cache-memory", "64MiB"], log_path=tmp_path / "server.log",
+                           env=env).spawn()
+    proc, url = server.proc, server.url
     seen = []
     try:
         deadline = time.monotonic() + 240
@@ -61,9 +49,4 @@ def test_health_is_503_while_loading_then_200(tmp_path):
                        json={"prompt": [1, 9690], "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()

@@ -13,7 +13,8 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from test_fuzz import check_response  # noqa: E402
-from test_reliability import Live  # noqa: E402
+
+from freetoken.testing.live import LiveServer  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -24,7 +25,7 @@ def st_srv(smollm2_fp32):
 
     torch.set_num_threads(1)
     # the deadline bounds a schema-valid body that asks for a long generation (504 is documented)
-    s = Live(smollm2_fp32, engine=dict(max_num_seqs=16), request_timeout_s=5)
+    s = LiveServer(smollm2_fp32, engine=dict(max_num_seqs=16), request_timeout_s=5)
     yield s
     s.close()
 

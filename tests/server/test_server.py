@@ -12,15 +12,16 @@ import atexit
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from freetoken.testing.live import LiveServer
+from freetoken.testing.process import ServerProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -35,80 +36,33 @@ ID_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]  # "<|im_sta
 _SERVER: dict = {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, engine, url: str):
-        self.engine = engine
-        self.url = url
-        self.http = httpx.Client(base_url=url, timeout=120)
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        return self.http.post(path, json=body, **kw)
-
-    def complete(self, body: dict) -> dict:
-        r = self.post("/v1/completions", {"model": MODEL, **body})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def get_server() -> Server:
+def get_server() -> LiveServer:
     """One uvicorn thread over one real Engine for the whole session (shared with
-    test_openai_client.py)."""
+    test_openai_client.py and test_scaleout.py)."""
     if "server" in _SERVER:
         return _SERVER["server"]
     import torch
-    import uvicorn
 
-    from freetoken.api import create_app
     from freetoken.config import EngineConfig
-    from freetoken.engine import Engine
     from freetoken.loader import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(None, dtype=torch.float32, device="cpu")
-    engine = Engine(
-        EngineConfig(
-            max_model_len=MAX_MODEL_LEN,
-            kv_cache_memory=96 << 20,
-            max_num_seqs=16,
-            max_num_batched_tokens=512,
-        ),
-        loaded,
-    ).start()
-    app = create_app(engine, served_model_name=MODEL, max_batch_prompts=8, max_body_bytes=1 << 20)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    config = EngineConfig(
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=96 << 20,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
     )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    srv = Server(engine, f"http://127.0.0.1:{port}")
-    _SERVER.update(server=srv, uvicorn=server, thread=thread)
-    atexit.register(_stop_server)
+    srv = LiveServer(loaded, config, start_timeout_s=60, http_timeout_s=120,
+                     served_model_name=MODEL, max_batch_prompts=8, max_body_bytes=1 << 20)
+    _SERVER["server"] = srv
+    atexit.register(srv.close)
     return srv
 
 
-def _stop_server() -> None:
-    srv = _SERVER.pop("server", None)
-    if srv is None:
-        return
-    srv.http.close()
-    _SERVER["uvicorn"].should_exit = True
-    _SERVER["thread"].join(10)
-    srv.engine.shutdown()
-
-
 @pytest.fixture(scope="module")
-def srv() -> Server:
+def srv() -> LiveServer:
     return get_server()
 
 
@@ -507,7 +461,7 @@ def same_logprobs(a, b, tol: float = 1e-4) -> bool:
     return a == b
 
 
-def sse(srv: Server, path: str, body: dict) -> list:
+def sse(srv: LiveServer, path: str, body: dict) -> list:
     events = []
     with srv.http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
         assert r.status_code == 200
@@ -865,15 +819,8 @@ def test_cli_subprocess_smoke(tmp_path: Path):
         "--max-batch-prompts",
     ):
         assert flag in helptext, flag
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
+    server = ServerProcess(
         [
-            sys.executable,
-            "-m",
-            "freetoken",
-            "--port",
-            str(port),
             "--api-key",
             "sekret",
             "--max-model-len",
@@ -883,23 +830,12 @@ def test_cli_subprocess_smoke(tmp_path: Path):
             "--served-model-name",
             "m",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=Path(__file__).resolve().parents[1],
+        log_path=tmp_path / "server.log",
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.25)
+        server.start(timeout_s=120)
+        url = server.url
         body = {"model": "m", "prompt": [1, 9690], "max_tokens": 2, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -917,9 +853,7 @@ def test_cli_subprocess_smoke(tmp_path: Path):
         assert r.json()["usage"]["prompt_tokens"] == 2
         assert httpx.get(url + "/metrics").status_code == 200
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        server.stop()
     text = (tmp_path / "server.log").read_text()
     assert "prompt_tokens=2" in text and "status=200" in text  # the per-request log line
     assert "kernel backend" in text

@@ -2,33 +2,30 @@
 `--shutdown-grace-s 2` and two long requests in flight stops accepting at once; when the grace is
 over the requests still running are stopped with a documented error (503 `unavailable_error`,
 in a stream an error event then [DONE]), not a cut connection; and the process exits 0.
-(SIGTERM with requests that finish inside the grace is tests/test_load.py's last test, on the
-soaked server.)
+(SIGTERM with requests that finish inside the grace is tests/system/test_load.py's last test, on
+the soaked server.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from freetoken.testing import soak
+
 pytestmark = pytest.mark.real_model
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("freetoken_soak", ROOT / "scripts" / "soak.py")
-soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak)
 
 
 def test_sigint_cuts_requests_after_the_grace_and_exits_0(tmp_path):
     log = tmp_path / "server.log"
-    proc, url = soak.spawn_server(log, ["--shutdown-grace-s", "2"])
+    server = soak.soak_server(log, ["--shutdown-grace-s", "2"])
+    proc, url = server.proc, server.url
     body = {"prompt": "Count to a million:", "max_tokens": 480, "ignore_eos": True}
 
     async def long_stream(client):

@@ -1,10 +1,10 @@
 """Load against a real `python -m freetoken` subprocess on loopback (issue 7), then SIGTERM under
 load.
 
-The soak (scripts/soak.py): FREETOKEN_SOAK_REQUESTS requests (default 1000), 64 in flight, a mix
-of classify, generation, chat, streaming, invalid bodies and clients that disconnect. Every
-request ends in a complete answer or its documented error; zero 5xx; RSS bounded; afterwards
-/metrics shows zero KV blocks in use and zero running / waiting requests.
+The soak (freetoken/testing/soak.py): FREETOKEN_SOAK_REQUESTS requests (default 1000), 64 in
+flight, a mix of classify, generation, chat, streaming, invalid bodies and clients that
+disconnect. Every request ends in a complete answer or its documented error; zero 5xx; RSS
+bounded; afterwards /metrics shows zero KV blocks in use and zero running / waiting requests.
 
 Then SIGTERM with requests in flight: each completes in full, new connections are refused, and
 the process exits 0.
@@ -13,7 +13,6 @@ the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -23,12 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.real_model
+from freetoken.testing import soak
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("freetoken_soak", ROOT / "scripts" / "soak.py")
-soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak)
+pytestmark = pytest.mark.real_model
 
 NUM_REQUESTS = int(os.environ.get("FREETOKEN_SOAK_REQUESTS", "1000"))
 
@@ -36,11 +32,9 @@ NUM_REQUESTS = int(os.environ.get("FREETOKEN_SOAK_REQUESTS", "1000"))
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    proc, url = soak.spawn_server(log)
-    yield proc, url, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(30)
+    server = soak.soak_server(log)
+    yield server.proc, server.url, log
+    server.kill()
 
 
 def test_soak(server):

@@ -1,75 +1,71 @@
-"""scripts/bench_serve.py: its workload builders and stats math, and one tiny run of a few
-requests against a real `python -m freetoken` subprocess on a free loopback port; the bound
-ratios, best rows and environments of scripts/compare_peers.py."""
+"""The benchmarks' shared parts (freetoken/testing/): the workload builders, the load
+generator's stats math, and the bound ratios, best rows and environments of
+scripts/compare_peers.py. One tiny run against a real server is tests/server/test_loadgen.py."""
 
 from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from freetoken.testing import loadgen as lg
+from freetoken.testing import peer_report as pr
+from freetoken.testing import peers as cp
+from freetoken.testing import workloads as wl
 
-import bench_serve as bs  # noqa: E402
-import compare_peers as cp  # noqa: E402
-import peer_report as pr  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_classify_workload_shape():
-    reqs = bs.build_workload("classify")
+    reqs = wl.build_workload("classify")
     assert len(reqs) == 200
-    assert all(r.prompt.startswith(bs.PREFIX) and r.prompt.endswith("\nSentiment:")
+    assert all(r.prompt.startswith(wl.PREFIX) and r.prompt.endswith("\nSentiment:")
                for r in reqs)
     assert len({r.prompt for r in reqs}) == 200  # every review is unique
     assert all(r.max_tokens == 1 and r.classify for r in reqs)
     # deterministic: the same seed gives the same prompts, another seed other ones
-    assert [r.prompt for r in bs.build_workload("classify")] == [r.prompt for r in reqs]
-    assert bs.build_workload("classify", 5, seed=1)[0].prompt != reqs[0].prompt
+    assert [r.prompt for r in wl.build_workload("classify")] == [r.prompt for r in reqs]
+    assert wl.build_workload("classify", 5, seed=1)[0].prompt != reqs[0].prompt
     # the warm-up requests are never among the measured ones
     measured = {r.prompt for r in reqs}
-    assert not measured & {w.prompt for w in bs.warmup_requests("classify", 3)}
+    assert not measured & {w.prompt for w in wl.warmup_requests("classify", 3)}
 
 
 def test_classify_multi_uses_16_distinct_prefixes():
-    pre = bs.multi_prefixes()
+    pre = wl.multi_prefixes()
     assert len(pre) == len(set(pre)) == 16
-    reqs = bs.build_workload("classify-multi")
+    reqs = wl.build_workload("classify-multi")
     assert len(reqs) == 200
     used = {r.tag for r in reqs}
     assert len(used) == 16
     for r in reqs:
         assert r.prompt.startswith(pre[int(r.tag[1:])])
-    assert [r.tag for r in bs.build_workload("classify-multi")] == [r.tag for r in reqs]
+    assert [r.tag for r in wl.build_workload("classify-multi")] == [r.tag for r in reqs]
 
 
 def test_decode_workloads():
-    d = bs.build_workload("decode")
+    d = wl.build_workload("decode")
     assert len(d) == 16 and len({r.prompt for r in d}) == 16
     assert all(r.max_tokens == 128 and not r.classify for r in d)
-    assert bs.WORKLOADS["decode"][1] == 8 and bs.WORKLOADS["decode-1"][1] == 1
-    assert bs.build_workload("decode-1", 3, max_tokens=7)[2].max_tokens == 7
+    assert wl.WORKLOADS["decode"][1] == 8 and wl.WORKLOADS["decode-1"][1] == 1
+    assert wl.build_workload("decode-1", 3, max_tokens=7)[2].max_tokens == 7
     with pytest.raises(ValueError):
-        bs.build_workload("nope")
+        wl.build_workload("nope")
 
 
 def test_payloads_per_flavor():
-    c = bs.build_workload("classify", 1)[0]
-    d = bs.build_workload("decode", 1)[0]
-    pc = bs.payload(c, "openai", "m", stream=False)
+    c = wl.build_workload("classify", 1)[0]
+    d = wl.build_workload("decode", 1)[0]
+    pc = wl.payload(c, "openai", "m", stream=False)
     assert pc == {"prompt": c.prompt, "max_tokens": 1, "temperature": 0.0, "model": "m",
                   "logprobs": 2}
-    pd = bs.payload(d, "openai", None, stream=True)
+    pd = wl.payload(d, "openai", None, stream=True)
     assert pd["ignore_eos"] is True and pd["stream"] is True
     assert pd["stream_options"] == {"include_usage": True} and "model" not in pd
     assert "cache_prompt" not in pd  # FreeToken answers unknown fields with a 400
-    assert bs.payload(d, "llama-server", None, stream=True)["cache_prompt"] is True
+    assert wl.payload(d, "llama-server", None, stream=True)["cache_prompt"] is True
 
 
 def test_bound_ratios_use_the_machine_measured_before_each_rep():
@@ -162,24 +158,24 @@ def test_peers_run_in_their_default_environment(monkeypatch, leaked):
 
 def test_percentile_matches_numpy_linear():
     xs = [4.0, 1.0, 3.0, 2.0]
-    assert bs.percentile(xs, 50) == pytest.approx(2.5)
-    assert bs.percentile(xs, 99) == pytest.approx(3.97)
-    assert bs.percentile(xs, 0) == 1.0 and bs.percentile(xs, 100) == 4.0
-    assert bs.percentile([7.0], 99) == 7.0
-    assert math.isnan(bs.percentile([], 50))
+    assert lg.percentile(xs, 50) == pytest.approx(2.5)
+    assert lg.percentile(xs, 99) == pytest.approx(3.97)
+    assert lg.percentile(xs, 0) == 1.0 and lg.percentile(xs, 100) == 4.0
+    assert lg.percentile([7.0], 99) == 7.0
+    assert math.isnan(lg.percentile([], 50))
     np = pytest.importorskip("numpy")
     ys = [float(i * i % 17) for i in range(37)]
     for q in (1, 50, 90, 99):
-        assert bs.percentile(ys, q) == pytest.approx(float(np.percentile(ys, q)))
+        assert lg.percentile(ys, q) == pytest.approx(float(np.percentile(ys, q)))
 
 
 def test_summarize_rates_and_latencies():
-    res = [bs.Result(ok=True, latency=1.0, ttft=0.2, output_tokens=5, prompt_tokens=10,
+    res = [lg.Result(ok=True, latency=1.0, ttft=0.2, output_tokens=5, prompt_tokens=10,
                      cached_tokens=8),
-           bs.Result(ok=True, latency=3.0, ttft=0.4, output_tokens=9, prompt_tokens=10,
+           lg.Result(ok=True, latency=3.0, ttft=0.4, output_tokens=9, prompt_tokens=10,
                      cached_tokens=2),
-           bs.Result(ok=False, latency=0.5, error="HTTP 500")]
-    s = bs.summarize(res, wall=2.0)
+           lg.Result(ok=False, latency=0.5, error="HTTP 500")]
+    s = lg.summarize(res, wall=2.0)
     assert s["requests"] == 3 and s["ok"] == 2 and s["errors"] == 1
     assert s["requests_per_s"] == pytest.approx(1.0)
     assert s["output_tokens"] == 14 and s["output_tokens_per_s"] == pytest.approx(7.0)
@@ -190,46 +186,3 @@ def test_summarize_rates_and_latencies():
     assert s["tpot_p50_s"] == pytest.approx((0.2 + 0.325) / 2)
     assert s["cached_tokens_frac"] == pytest.approx(0.5)
     assert s["prompt_tokens_mean"] == 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.real_model
-def test_tiny_run_against_freetoken(tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freetoken", "--port", str(port), "--max-model-len", "512",
-         "--kv-cache-memory", "64MiB", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        bs.wait_ready(url, timeout=120, proc=proc)
-        t0 = time.time()
-        rec = bs.run_once(url, "classify", n=6, concurrency=3, warmup=1, quiet=True,
-                          dump=str(tmp_path / "dump.jsonl"))
-        assert rec["errors"] == 0 and rec["ok"] == 6, rec.get("first_error")
-        assert rec["output_tokens"] == 6 and rec["requests_per_s"] > 0
-        assert rec["latency_p50_s"] <= rec["latency_p99_s"]
-        assert rec["cached_tokens_frac"] > 0.5  # the shared prefix comes from the cache
-        assert len(rec["loadavg_before"]) == 3
-        dump = (tmp_path / "dump.jsonl").read_text().splitlines()
-        assert len(dump) == 6 and '"top": {' in dump[0]
-        rec = bs.run_once(url, "decode", n=2, concurrency=2, max_tokens=4, warmup=0,
-                          quiet=True)
-        assert rec["errors"] == 0 and rec["stream"] is True, rec.get("first_error")
-        assert rec["output_tokens"] == 8  # ignore_eos: exactly max_tokens each
-        assert 0 < rec["ttft_p50_s"] <= rec["latency_p50_s"]
-        assert time.time() - t0 < 60
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
