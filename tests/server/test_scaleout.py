@@ -137,9 +137,7 @@ def test_render_refuses_what_generation_refuses(srv, path, body, status, param):
 
 def test_render_generates_nothing(srv):
     before = srv.engine.stats()["generation_tokens_total"]
-    t = time.perf_counter()
     _json(srv.post("/v1/completions/render", {"prompt": "Tell me a very long story " * 20}))
-    assert time.perf_counter() - t < 2.0
     assert srv.engine.stats()["generation_tokens_total"] == before
 
 
