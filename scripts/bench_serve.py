@@ -1,13 +1,8 @@
 #!/usr/bin/env python3
 """HTTP load generator for OpenAI-compatible servers (FreeToken, llama.cpp's llama-server, ...).
 
-Workloads (freetoken/testing/workloads.py; deterministic prompts, fixed seeds, no downloads):
-  classify        a shared ~170-token few-shot sentiment prefix + a unique ~25-token review +
-                  "Sentiment:"; max_tokens 1, temperature 0, logprobs 2; 200 requests, 8 in flight
-  classify-multi  the same, but 16 distinct instruction prefixes (many classifiers behind one
-                  server); each request picks one at random (seeded)
-  decode          16 distinct short prompts, 8 in flight, 128 greedy tokens each, ignore_eos
-  decode-1        the decode prompts one at a time (single stream), 4 requests by default
+Workloads: classify, classify-multi, decode, decode-1 (freetoken/testing/workloads.py says what each
+sends; deterministic prompts, fixed seeds, no downloads).
 
 Prints progress to stderr and one JSON line per run to stdout (and appends it to --out):
 requests/s, output tokens/s, p50/p99 latency, time to first token (streamed where it matters),

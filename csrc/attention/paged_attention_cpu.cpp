@@ -4,6 +4,9 @@
 // The micro-kernels are in paged_attention_kernels.h; here: the tasks, one task's walk over its
 // key tiles (softmax, mask), the scratch, the checks and the op.
 //
+// Size: the task split, the tile walk and the scratch are one algorithm; splitting them would
+// pass their shared state across files.
+//
 // Why: the torch path (freetoken/model/attention.py) gathers every multi-token sequence's context
 // into a dense copy per layer and runs one padded SDPA with an additive mask; on the classify step
 // (8 x 28 queries behind 176 cached keys, SmolLM2) that was ~1.6 ms per layer at ~60 GFLOP/s. This

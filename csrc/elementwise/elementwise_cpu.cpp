@@ -2,8 +2,11 @@
 // add), SiLU(gate) * up on the fused gate_up output, and rotate_half RoPE in place on q and k.
 //
 // Why: the torch code (freetoken/model/llama.py, the twins in freetoken/ops/elementwise.py) runs
-// each as 3-7 ops, each a dispatch, a fresh tensor and a pass over the data; the fused kernel is one call and
-// one pass (a row is re-read only from L1).
+// each as 3-7 ops, each a dispatch, a fresh tensor and a pass over the data; the fused kernel is
+// one call and one pass (a row is re-read only from L1).
+//
+// Size: three ops in one file because they share the row split over the TaskPool and the
+// per-ISA entry points; each op's kernel and its checks stay together.
 //
 // Numerics: the twin's, op by op. Every intermediate torch rounds to the tensor's dtype is rounded
 // here too (bf16 round-to-nearest-even, as c10::BFloat16), everything else is fp32. What differs:

@@ -18,6 +18,9 @@
 // feeding two FMAs: with one panel a core with two 512-bit FMA ports waits on loads (classify's
 // 224 rows on a Sapphire-Rapids-class Xeon, one thread: 119 -> 159 GFLOP/s hot).
 //
+// Size: the packing, the micro-kernels and their dispatch share the panel layout's constants
+// and the block walk; they are one algorithm in one file.
+//
 // Threads: the panels are cut into a few contiguous ranges (>= 512 KB of weights each) that the
 // caller and torch.get_num_threads() - 1 helpers of a small pool claim in order; a call estimated
 // under ~20 us on one thread stays on the caller. The packed buffer asks for 2 MB pages.

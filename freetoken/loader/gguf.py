@@ -13,7 +13,6 @@ the same file's vocabulary).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 
 from freetoken import ops
+from freetoken.loader.progress import progress as show_progress
+from freetoken.loader.progress import progress_done
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import GGUF_BLOCK_TYPES, GGUFBlocks
 
@@ -211,15 +212,10 @@ def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str
             array = np.array(array, copy=True, order="C")  # F32 tensors are read-only memmaps
         weights[name] = torch.from_numpy(array)
         if progress and (i + 1 == len(tensors) or i % 16 == 0):
-            print(
-                f"\rdequantising {i + 1}/{len(tensors)} tensors "
-                f"({time.perf_counter() - start:.1f}s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+            show_progress(f"dequantising {i + 1}/{len(tensors)} tensors "
+                          f"({time.perf_counter() - start:.1f}s)")
     if progress:
-        print(file=sys.stderr, flush=True)
+        progress_done()
     return weights
 
 

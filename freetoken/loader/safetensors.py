@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from freetoken.loader.progress import progress as show_progress
+from freetoken.loader.progress import progress_done
 from freetoken.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -132,13 +133,8 @@ def load_safetensors(
             for name in f.keys():
                 weights[name] = f.get_tensor(name)
         if progress:
-            print(
-                f"\rreading {i + 1}/{len(files)} safetensors files, {len(weights)} tensors "
-                f"({time.perf_counter() - start:.1f}s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+            show_progress(f"reading {i + 1}/{len(files)} safetensors files, {len(weights)} "
+                          f"tensors ({time.perf_counter() - start:.1f}s)")
     if progress:
-        print(file=sys.stderr, flush=True)
+        progress_done()
     return config, weights

@@ -111,6 +111,16 @@ class ParsedRequest:
         return dataclasses.replace(self.params, seed=self.params.seed + j)
 
 
+def _parsed(req, prompts: list[Prompt], kw: dict[str, Any], **fields) -> ParsedRequest:
+    """The ParsedRequest of a validated body: what every generation endpoint shares (params,
+    n, stream, usage, model), plus the endpoint's own `fields`."""
+    so = req.stream_options
+    return ParsedRequest(request=req, prompts=prompts, params=_make_params(kw), n=req.n,
+                         stream=req.stream, include_usage=bool(req.stream and so
+                                                               and so.include_usage),
+                         model=req.model, **fields)
+
+
 def parse_completion(
     body: Any, engine_limits, tokenizer, *, max_batch_prompts: int
 ) -> ParsedRequest:
@@ -152,20 +162,8 @@ def parse_completion(
         internal_prompt_lp = max(req.logprobs, req.prompt_logprobs or 0)
     if internal_prompt_lp is not None:
         kw["prompt_logprobs"] = internal_prompt_lp
-    so = req.stream_options
-    return ParsedRequest(
-        request=req,
-        prompts=prompts,
-        params=_make_params(kw),
-        n=req.n,
-        echo=req.echo,
-        logprobs=req.logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        score_only=score_only,
-        stream=req.stream,
-        include_usage=bool(req.stream and so and so.include_usage),
-        model=req.model,
-    )
+    return _parsed(req, prompts, kw, echo=req.echo, logprobs=req.logprobs,
+                   prompt_logprobs=req.prompt_logprobs, score_only=score_only)
 
 
 def parse_chat(body: Any, engine_limits, tokenizer) -> ParsedRequest:
@@ -203,17 +201,7 @@ def parse_chat(body: Any, engine_limits, tokenizer) -> ParsedRequest:
     if req.logprobs:
         lp = req.top_logprobs or 0
         kw["logprobs"] = lp
-    so = req.stream_options
-    return ParsedRequest(
-        request=req,
-        prompts=prompts,
-        params=_make_params(kw),
-        n=req.n,
-        logprobs=lp,
-        stream=req.stream,
-        include_usage=bool(req.stream and so and so.include_usage),
-        model=req.model,
-    )
+    return _parsed(req, prompts, kw, logprobs=lp)
 
 
 def parse_tokenize(body: Any, engine_limits, tokenizer) -> dict:

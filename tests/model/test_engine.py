@@ -1,6 +1,9 @@
 """The engine on the real SmolLM2 (fp32, CPU): prefix hit == cold, 64 concurrent mixed requests
 == one at a time (with preemption, chunked prefill and aborts), batched decode == alone, seeded
-sampling, allowed_token_ids, prompt logprobs against a direct forward."""
+sampling, allowed_token_ids, prompt logprobs against a direct forward.
+
+One file: its tests share one loaded SmolLM2 and the engine fixtures.
+"""
 
 from __future__ import annotations
 
@@ -327,13 +330,19 @@ def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine
     assert st["step_errors_total"] == 1 and st["kv_blocks_used"] == 0 and eng.is_alive()
 
 
+def record_steps(eng) -> list[int]:
+    """The number of sequences in each step the engine runs from now on (appended as it runs)."""
+    steps: list[int] = []
+    real = eng.runner.execute
+    eng.runner.execute = lambda out: steps.append(len(out.scheduled)) or real(out)
+    return steps
+
+
 def test_an_idle_engine_admits_a_burst_into_one_step(make_engine, tok):
     """Requests arriving a few ms apart at an idle engine share one step (Engine._await_burst);
     a lone request waits one quiet gap (1 s here), not the whole window (5 s)."""
     eng = make_engine(arrival_window_ms=5000, arrival_gap_ms=1000)
-    steps = []
-    real = eng.runner.execute
-    eng.runner.execute = lambda out: steps.append(len(out.scheduled)) or real(out)
+    steps = record_steps(eng)
     prompts = [tok.encode(f"Review {i}: fine.\nSentiment:") for i in range(4)]
     done = [threading.Event() for _ in prompts]
 
@@ -361,9 +370,7 @@ def test_replacements_of_finished_requests_share_one_step(make_engine, tok, monk
     import freetoken.engine.engine as engine_module
     monkeypatch.setattr(engine_module, "REPLACEMENT_WAIT_FRACTION", 1e9)  # the window decides
     eng = make_engine(arrival_window_ms=3000, arrival_gap_ms=50)
-    steps = []
-    real = eng.runner.execute
-    eng.runner.execute = lambda out: steps.append(len(out.scheduled)) or real(out)
+    steps = record_steps(eng)
     prompts = [tok.encode(f"Review {i}: fine.\nSentiment:") for i in range(4)]
     done = [threading.Event() for _ in prompts]
 

@@ -1,6 +1,9 @@
 """Tokenizer tests: parity with transformers on the real SmolLM2 GGUF, the `smollm` digit split
 (llama.cpp's behaviour, which transformers' GGUF converter leaves out), token bytes, streaming
-detokenization, and the tokenizer.json + tokenizer_config.json path."""
+detokenization, and the tokenizer.json + tokenizer_config.json path.
+
+One file: every test here reads the one SmolLM2 tokenizer, built once per session.
+"""
 
 from __future__ import annotations
 

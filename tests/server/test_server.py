@@ -4,6 +4,8 @@ plus one subprocess smoke test of `python -m freetoken`.
 What these show (issue 5): the seed refusals and every other SPEC refusal; id prompts used
 exactly; the seed-002 scoring reproduction; echo + logprobs equal to the engine's own prompt
 logprobs; streaming == non-streaming; /metrics parses and moves.
+
+One file: its tests share one real server per session (the SmolLM2 load is the cost).
 """
 
 from __future__ import annotations

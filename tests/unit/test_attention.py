@@ -6,7 +6,10 @@ every CPU ISA; sliding windows, GQA, fp32 / bf16 / fp16 pools, long contexts, ba
 
 Tolerances: fp32 outputs within 1e-5 (absolute, outputs are O(1)) of the fp64 reference computed
 on the same (rounded) inputs; bf16 / fp16 outputs within one rounding of it (2^-8 / 2^-11
-relative, + 1e-5)."""
+relative, + 1e-5).
+
+One file: every attention path is held to the same reference on the same random steps.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ each against an fp64 reference: ids exactly (ties to the lower id), logprobs wit
 extension and 5e-5 for the twin (torch's fp32 logsumexp is ~3e-5 off fp64 at V = 152k).
 
 The reference takes x = logit + bias in fp32, as the contract says, and does the rest in fp64.
+
+One file for the top-k and sampling ops: their shared fp64 reference and fixtures.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 A byte-level fake tokenizer (ids 0..255 are bytes, 256 BOS, 257 EOS) keeps these tests exact and
 fast; the same refusals are checked over HTTP against SmolLM2 in test_server.py.
+
+One file, as freetoken.protocol is one contract: each refusal beside the rule it checks.
 """
 
 from __future__ import annotations
