@@ -1,0 +1,138 @@
+"""Will a model fit? Its resident bytes plus the KV pool, against this machine's free memory.
+
+Read from the file's headers alone, before anything loads. A model that cannot fit is refused
+at start with both figures (`check_fits` raises MemoryError), instead of being killed by the OOM
+killer halfway through its load or at its first long request. The figures are what the loaded
+model keeps resident today (weights dequantized into the serving dtype, plus the forms the CPU
+kernels pack); the load's transient peak can exceed them, so a model that passes this check can
+still need headroom.
+
+What it is not: a limit on the KV pool's size (EngineConfig) or on anything that fits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """What a model's weights will hold resident once loaded, and how it was counted."""
+
+    total: int
+    detail: str
+
+
+def weight_bytes(path: Path, dtype: torch.dtype, device: str) -> WeightBytes:
+    """The bytes the loaded model's weights will hold: every parameter in `dtype`, and on the CPU
+    the packed forms the kernels keep beside it (a tied lm_head's packed copy; bf16's second,
+    panel copy of every matrix; fp32's GGUF blocks for steps of few rows)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    if path.is_file():
+        params, matrices, tied, lm_head, blocks = _gguf_counts(path)
+    else:
+        params, matrices, tied, lm_head, blocks = _safetensors_counts(path)
+    total, parts = params * elem, [f"{params / 1e9:.2f}B parameters in {_name(dtype)}"]
+    if torch.device(device).type == "cpu":
+        if tied:
+            total += lm_head * elem
+            parts.append("a packed copy of the tied lm_head")
+        if dtype != torch.float32:
+            total += matrices * elem
+            parts.append("a second (panel) copy of every matrix")
+        elif blocks:
+            total += blocks
+            parts.append(f"{blocks / GiB:.1f} GiB of GGUF blocks for decode steps")
+    return WeightBytes(total, ", ".join(parts))
+
+
+def available_bytes() -> int | None:
+    """The memory this process can still take: MemAvailable, capped by a cgroup v2 limit (None
+    where neither can be read)."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max" and avail is not None:
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_fits(path: Path, dtype: torch.dtype, device: str, kv_bytes: int,
+               available: int | None = None) -> None:
+    """Raises MemoryError naming the weights' and the KV pool's bytes when together they exceed
+    the available memory (CPU only: a GPU's memory is its allocator's to refuse)."""
+    if torch.device(device).type != "cpu":
+        return
+    available = available_bytes() if available is None else available
+    if available is None:
+        return
+    weights = weight_bytes(path, dtype, device)
+    if weights.total + kv_bytes > available:
+        raise MemoryError(
+            f"{path.name} needs about {weights.total / GiB:.1f} GiB for its weights "
+            f"({weights.detail}) plus {kv_bytes / GiB:.1f} GiB for the KV pool, "
+            f"{(weights.total + kv_bytes) / GiB:.1f} GiB in all, but this machine has "
+            f"{available / GiB:.1f} GiB available; use a smaller model or a smaller "
+            f"--kv-cache-memory")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# (parameters, parameters in 2-D matrices, tied lm_head, lm_head parameters, GGUF block bytes
+# kept for decode)
+Counts = tuple[int, int, bool, int, int]
+
+
+def _gguf_counts(path: Path) -> Counts:
+    from gguf import GGUFReader
+
+    from freetoken.model.linear import GGUF_BLOCK_TYPES
+
+    tensors = GGUFReader(path).tensors
+    names = {t.name for t in tensors}
+    params = sum(int(t.n_elements) for t in tensors)
+    matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
+    embed = next((int(t.n_elements) for t in tensors if t.name == "token_embd.weight"), 0)
+    blocks = sum(int(t.n_bytes) for t in tensors
+                 if len(t.shape) == 2 and t.tensor_type.name in GGUF_BLOCK_TYPES)
+    return params, matrices, "output.weight" not in names, embed, blocks
+
+
+def _safetensors_counts(path: Path) -> Counts:
+    from safetensors import safe_open
+
+    from freetoken.loader.safetensors import weight_files
+
+    params = matrices = embed = 0
+    tied = True
+    for f in weight_files(path):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 -- safe_open is not a mapping
+                shape = st.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                params += n
+                matrices += n if len(shape) == 2 else 0
+                embed = n if name.endswith("embed_tokens.weight") else embed
+                tied = tied and name != "lm_head.weight"
+    config = json.loads((path / "config.json").read_text())
+    tied = tied or bool(config.get("tie_word_embeddings", False))
+    return params, matrices, tied, embed, 0

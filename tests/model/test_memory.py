@@ -1,0 +1,55 @@
+"""freetoken.loader.memory: a model's resident bytes counted from its file's headers, and a
+model that cannot fit refused at start with both figures (the weights and the KV pool)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGUFReader
+
+from freetoken.loader.memory import GiB, check_fits, weight_bytes
+
+
+def header_counts(path):
+    tensors = GGUFReader(path).tensors
+    params = sum(int(t.n_elements) for t in tensors)
+    matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
+    embed = next(int(t.n_elements) for t in tensors if t.name == "token_embd.weight")
+    blocks = sum(int(t.n_bytes) for t in tensors
+                 if len(t.shape) == 2 and t.tensor_type.name in ("Q4_1", "Q8_0"))
+    return params, matrices, embed, blocks
+
+
+def test_smollm2_weights_by_dtype_and_device(smollm2_path):
+    """fp32 on the CPU: every parameter, the tied lm_head's packed copy, the Q4_1 / Q8_0 blocks;
+    bf16: half the bytes, but a second copy of every matrix; on a GPU: the parameters only."""
+    params, matrices, embed, blocks = header_counts(smollm2_path)
+    assert weight_bytes(smollm2_path, torch.float32, "cpu").total == \
+        4 * params + 4 * embed + blocks
+    assert weight_bytes(smollm2_path, torch.bfloat16, "cpu").total == \
+        2 * params + 2 * embed + 2 * matrices
+    assert weight_bytes(smollm2_path, torch.float32, "cuda").total == 4 * params
+    assert 0.6 * GiB < weight_bytes(smollm2_path, torch.float32, "cpu").total < 0.8 * GiB
+
+
+def test_a_model_that_cannot_fit_is_refused_with_both_figures(smollm2_path):
+    with pytest.raises(MemoryError) as err:
+        check_fits(smollm2_path, torch.float32, "cpu", kv_bytes=GiB // 2, available=GiB)
+    msg = str(err.value)
+    assert "0.7 GiB for its weights" in msg and "0.5 GiB for the KV pool" in msg
+    assert "1.0 GiB available" in msg and "--kv-cache-memory" in msg
+    check_fits(smollm2_path, torch.float32, "cpu", kv_bytes=GiB // 2, available=4 * GiB)
+    check_fits(smollm2_path, torch.float32, "cuda", kv_bytes=GiB, available=1)  # not ours
+
+
+def test_the_cli_refuses_before_loading(smollm2_path):
+    """A KV pool larger than the machine: exit 2 with the figures, no model load, no port."""
+    p = subprocess.run([sys.executable, "-m", "freetoken", "--model", str(smollm2_path),
+                        "--kv-cache-memory", "4096GiB", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "4096.0 GiB for the KV pool" in p.stderr and "available" in p.stderr
+    assert "dequantising" not in p.stderr  # refused before the weights were read
