@@ -11,7 +11,7 @@
 // decode step of 8 rows (~50-60 us a layer), ~1.1 ms of a 6.7 ms single-stream step.
 //
 // Numerics: the Python path's exactly: the same functions in the same order on the same
-// tensors (tests/test_decoder_layer.py checks bitwise equality). Form per projection: the
+// tensors (tests/model/test_decoder_layer.py checks bitwise equality). Form per projection: the
 // few-rows form (GGUF blocks, bf16 panels) when the step has at most few_rows_max rows, else
 // the main panels; a projection with neither for the step's rows (bf16 oneDNN weights, many
 // rows) means serves() is false and the caller keeps the Python path.

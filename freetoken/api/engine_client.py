@@ -1,6 +1,6 @@
 """What the HTTP edge needs from the engine, written down as one Protocol.
 
-`freetoken.engine.Engine` is the one implementation (tests/test_server.py checks it has every
+`freetoken.engine.Engine` is the one implementation (tests/server/test_server.py checks it has every
 member named here); tests that replace a method (a failing `submit`, a dead `is_alive`) replace it
 with something of the same shape. The edge calls these members directly and nothing else of the
 engine: if a route needs more, it is added here first.

@@ -2,7 +2,7 @@
 K/V pool, read in place (csrc/attention/), on the CPU extension.
 
 Its torch twin is not here: freetoken/model/attention.py keeps the gather + SDPA path, which the
-model takes wherever paged_attention_available() is False and which tests/test_attention.py holds
+model takes wherever paged_attention_available() is False and which tests/unit/test_attention.py holds
 this kernel to. Not the metadata (block tables, groups): that is model/attention.py too.
 """
 
@@ -18,7 +18,7 @@ _PAGED_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when freetoken._C serves paged_attention for `dtype` tensors on `device` (the CPU
     extension in use, fp32 / bf16 / fp16); otherwise freetoken/model/attention.py keeps its torch
-    path (gather + SDPA), which is also this kernel's reference in tests/test_attention.py."""
+    path (gather + SDPA), which is also this kernel's reference in tests/unit/test_attention.py."""
     return dtype in _PAGED_ATTENTION_DTYPES and backend_for(device) == "ext-cpu"
 
 

@@ -2,7 +2,7 @@
 elementwise.py, linear.py and attention.py chained without Python in between (~50 us a layer).
 
 Its twin is the Python layer itself (freetoken/model/llama.py DecoderLayer.forward calls the same
-ops in the same order, so the results are the same; tests/test_decoder_layer.py holds them
+ops in the same order, so the results are the same; tests/model/test_decoder_layer.py holds them
 equal). CPU extension only. Not the model's choice of when to use it (model/llama.py).
 """
 

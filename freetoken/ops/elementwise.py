@@ -1,6 +1,6 @@
 """The Llama forward's elementwise ops, fused on the CPU extension (csrc/elementwise/) for fp32 and
 bf16, each with its pure-torch twin here (the torch code model/llama.py had, op for op: the same
-intermediate roundings, so the results are bitwise equal; tests/test_elementwise.py).
+intermediate roundings, so the results are bitwise equal; tests/unit/test_elementwise.py).
 
     rms_norm(x, weight, eps, residual=None) -> y | (y, residual)
     silu_mul(gate_up, intermediate_size) -> act;  rope_(q, k, cos, sin) (in place)

@@ -8,7 +8,7 @@ in registers (csrc/linear/quant_linear_cpu.cpp), for the small-M decode steps.
 
 CPU extension only, and no torch twin: the packed format has no meaning outside the kernel, so
 the caller keeps its own path where panel_linear_available() is False (freetoken/model/linear.py,
-which also chooses between the forms; tests/test_panel_linear.py holds the kernel to F.linear).
+which also chooses between the forms; tests/unit/test_panel_linear.py holds the kernel to F.linear).
 """
 
 from __future__ import annotations

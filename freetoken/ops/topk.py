@@ -15,7 +15,7 @@ NaN or +inf among the set's logits, or a set whose logits are all -inf, raise Ru
 Compact per-row lists: allowed = (offsets int32 [B+1], ids int32 [N]); logit_bias = (offsets,
 ids, values fp32 [N]); row r owns entries offsets[r]:offsets[r+1]; duplicate bias ids add up.
 
-The twin gives the same ids and logprobs within float rounding; tests/test_ops.py holds both to
+The twin gives the same ids and logprobs within float rounding; tests/unit/test_ops.py holds both to
 an fp64 reference. Which one runs: freetoken/ops/backend.py. Not sampling (sampling.py).
 """
 
