@@ -13,8 +13,8 @@ shapes, the bytes and the arithmetic are those of the real model.
 mix "q4_k_m" lays the types out as llama-quantize's Q4_K_M does: Q4_K for most weights, Q6_K for
 the output (or the tied embedding) and for attn_v / ffn_down in the layers its `use_more_bits`
 picks (the first and last eighth, and every third layer between); any GGUF type name instead
-("Q8_0", "Q4_K", "F16", ...) makes every 2-D weight that type. Norms are F32. The file is streamed to
-disk tensor by tensor (memory stays at one tensor), with a progress line on stderr.
+("Q8_0", "Q4_K", "F16", ...) makes every 2-D weight that type. Norms are F32. The file is
+streamed to disk tensor by tensor (memory stays at one tensor), with a progress line on stderr.
 """
 
 from __future__ import annotations
