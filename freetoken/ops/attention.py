@@ -3,7 +3,8 @@ K/V pool, read in place (csrc/attention/), on the CPU extension.
 
 Its torch twin is not here: freetoken/model/attention.py keeps the gather + SDPA path, which the
 model takes wherever paged_attention_available() is False and which
-tests/unit/test_attention.py holds this kernel to. Not the metadata (block tables, groups): that is model/attention.py too.
+tests/unit/test_attention.py holds this kernel to. Not the metadata (block tables, groups):
+that is model/attention.py too.
 """
 
 from __future__ import annotations
