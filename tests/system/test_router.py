@@ -201,6 +201,13 @@ def _prefix_ids(direct, seed: int) -> list[int]:
     return ids[:PREFIX_TOKENS]
 
 
+# NOTE: long enough that a group's first request is still decoding when the next group's first
+# one arrives 0.3 s later, however fast the machine: 16 tokens (and EOS could come sooner) were
+# done in ~0.15 s on a quiet Zen 5, the router then saw both replicas idle and sent every new
+# prefix to replica 0.
+FIRST_TOKENS = 96
+
+
 def _run_groups(cluster, router, prompts) -> list[list[tuple[int, int]]]:
     """prompts[g][i] -> [(replica, cached_tokens)] per group. Each group's first request goes out
     0.3 s after the previous group's, while it is still being computed: the router sees that
@@ -215,6 +222,7 @@ def _run_groups(cluster, router, prompts) -> list[list[tuple[int, int]]]:
                 "prompt": prompts[g][i],
                 "max_tokens": max_tokens,
                 "temperature": 0,
+                "ignore_eos": True,  # the first request's length is max_tokens, never cut short
             },
         )
         assert r.status_code == 200, r.text
@@ -225,7 +233,7 @@ def _run_groups(cluster, router, prompts) -> list[list[tuple[int, int]]]:
     with cf.ThreadPoolExecutor(GROUPS) as pool:
         firsts = []
         for g in range(GROUPS):
-            firsts.append(pool.submit(send, g, 0, 16))
+            firsts.append(pool.submit(send, g, 0, FIRST_TOKENS))
             time.sleep(0.3)
         for g, f in enumerate(firsts):
             out[g].append(f.result(timeout=120))
