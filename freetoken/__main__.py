@@ -130,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken.api.loading import LoadingServer
     from freetoken.engine import Engine
     from freetoken.loader import default_model_path, load_model
-    from freetoken.loader.memory import check_fits
 
     try:  # before the model loads: the linear layers are packed for the kernels chosen here
         ops.configure(
@@ -148,20 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     if not path.exists():
         print(f"freetoken: --model {path}: no such file or directory", file=sys.stderr)
         return 2
-    # NOTE: the KV pool set in blocks is sized once the model's shape is known; by bytes it
-    # counts here, beside the weights, before anything loads.
-    kv_bytes = config.kv_cache_memory if config.num_kv_blocks is None else 0
-    try:
-        check_fits(path, config.torch_dtype, config.device, kv_bytes)
-    except MemoryError as exc:
-        print(f"freetoken: cannot serve {path}: {exc}", file=sys.stderr)
-        return 2
     # /health (and every route) answers 503 while the model loads, not a refused connection.
     placeholder = LoadingServer(sc.host, sc.port).start()
     try:
-        loaded = load_model(path, dtype=config.torch_dtype, device=config.device)
+        # NOTE: a KV pool set in blocks is sized once the model's shape is known; by bytes it
+        # counts beside the weights, checked before any weight is read.
+        loaded = load_model(path, dtype=config.torch_dtype, device=config.device,
+                            kv_bytes=config.kv_cache_memory if config.num_kv_blocks is None else 0)
         engine = Engine(config, loaded)
-    except (ValueError, RuntimeError, OSError) as exc:  # a bad file, device or budget
+    except (ValueError, RuntimeError, OSError, MemoryError) as exc:  # a bad file, device, budget
         placeholder.stop()
         print(f"freetoken: cannot serve {path}: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from freetoken.loader.memory import check_fits
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
 from freetoken.model.linear import gguf_blocks_wanted
 
@@ -85,8 +86,12 @@ def load_model(
     device: torch.device | str = "cpu",
     load_tokenizer: bool = True,
     progress: bool = True,
+    kv_bytes: int | None = None,
 ) -> LoadedModel:
-    """Load a GGUF file or an HF safetensors directory. path=None = default_model_path()."""
+    """Load a GGUF file or an HF safetensors directory. path=None = default_model_path().
+    With `kv_bytes` (the KV pool the engine will add), a model whose weights and that pool
+    cannot fit in the machine's memory raises MemoryError before any weight is read
+    (loader/memory.py)."""
     start = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -96,6 +101,8 @@ def load_model(
         from freetoken.loader.gguf import open_gguf, read_blocks, read_config, read_weights
 
         reader = open_gguf(path)
+        if kv_bytes is not None:
+            check_fits(path, dtype, device, kv_bytes, reader=reader)
         config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
         # NOTE: the parsed metadata (mostly the vocabulary) is ~150 MB of Python objects; drop it
@@ -108,6 +115,9 @@ def load_model(
         files = [path]
     elif path.is_dir():
         from freetoken.loader.safetensors import load_safetensors, weight_files
+
+        if kv_bytes is not None:
+            check_fits(path, dtype, device, kv_bytes)
 
         config, weights = load_safetensors(path, progress=progress)
         blocks = None

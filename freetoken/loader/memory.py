@@ -29,13 +29,14 @@ class WeightBytes:
     detail: str
 
 
-def weight_bytes(path: Path, dtype: torch.dtype, device: str) -> WeightBytes:
+def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> WeightBytes:
     """The bytes the loaded model's weights will hold: every parameter in `dtype`, and on the CPU
     the packed forms the kernels keep beside it (a tied lm_head's packed copy; bf16's second,
-    panel copy of every matrix; fp32's GGUF blocks for steps of few rows)."""
+    panel copy of every matrix; fp32's GGUF blocks for steps of few rows). `reader`: the GGUF's
+    open GGUFReader, when the caller has one (parsing the header costs ~2 s for SmolLM2)."""
     elem = torch.empty((), dtype=dtype).element_size()
     if path.is_file():
-        params, matrices, tied, lm_head, blocks = _gguf_counts(path)
+        params, matrices, tied, lm_head, blocks = _gguf_counts(path, reader)
     else:
         params, matrices, tied, lm_head, blocks = _safetensors_counts(path)
     total, parts = params * elem, [f"{params / 1e9:.2f}B parameters in {_name(dtype)}"]
@@ -73,7 +74,7 @@ def available_bytes() -> int | None:
 
 
 def check_fits(path: Path, dtype: torch.dtype, device: str, kv_bytes: int,
-               available: int | None = None) -> None:
+               available: int | None = None, reader=None) -> None:
     """Raises MemoryError naming the weights' and the KV pool's bytes when together they exceed
     the available memory (CPU only: a GPU's memory is its allocator's to refuse)."""
     if torch.device(device).type != "cpu":
@@ -81,7 +82,7 @@ def check_fits(path: Path, dtype: torch.dtype, device: str, kv_bytes: int,
     available = available_bytes() if available is None else available
     if available is None:
         return
-    weights = weight_bytes(path, dtype, device)
+    weights = weight_bytes(path, dtype, device, reader)
     if weights.total + kv_bytes > available:
         raise MemoryError(
             f"{path.name} needs about {weights.total / GiB:.1f} GiB for its weights "
@@ -100,12 +101,12 @@ def _name(dtype: torch.dtype) -> str:
 Counts = tuple[int, int, bool, int, int]
 
 
-def _gguf_counts(path: Path) -> Counts:
+def _gguf_counts(path: Path, reader=None) -> Counts:
     from gguf import GGUFReader
 
     from freetoken.model.linear import GGUF_BLOCK_TYPES
 
-    tensors = GGUFReader(path).tensors
+    tensors = (reader or GGUFReader(path)).tensors
     names = {t.name for t in tensors}
     params = sum(int(t.n_elements) for t in tensors)
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
