@@ -7,6 +7,7 @@
 #include "decoder_layer/decoder_layer_cpu.h"
 #include "elementwise/elementwise_cpu.h"
 #include "linear/gguf_dequant.h"
+#include "linear/gguf_linear.h"
 #include "linear/linear_cpu.h"
 #include "topk/topk.h"
 #include "topk/topk_torch.h"
@@ -96,6 +97,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gguf package's dequantize", kNoGil, py::arg("rows"), py::arg("type"), py::arg("K"));
   m.def("gguf_dequantize_types", &freetoken::gguf_dequantize_types,
         "the GGUF types gguf_dequantize takes");
+  m.def("gguf_matrix", &freetoken::gguf_matrix_pack,
+        "CPU: a GGUF weight's rows where the file's mapping has them (base: the mapping, "
+        "row_offsets: int64 [N], one type per segment ending at ends[s]) -> the descriptor that "
+        "panel_linear takes (1-D uint8; base must outlive it)",
+        py::arg("base"), py::arg("row_offsets"), py::arg("types"), py::arg("ends"),
+        py::arg("K"));
+  m.def("gguf_matrix_types", &freetoken::gguf_matrix_types, "the GGUF types gguf_matrix takes");
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
   py::class_<freetoken::DecoderLayerCpu>(

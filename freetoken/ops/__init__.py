@@ -7,7 +7,8 @@ pure-torch twin in the same module, one module per op family.
     attention.py      paged_attention over the KV pool (the twin: model/attention.py's SDPA path)
     elementwise.py    rms_norm, silu_mul, rope_ + twins
     linear.py         panel linear over packed fp32 / bf16 / GGUF-block weights (no twin)
-    gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package)
+    gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package), and
+                      the block-resident weight descriptor (gguf_matrix) for panel_linear
     decoder_layer.py  one Llama decoder layer as one C++ call
 
 Importing loads freetoken._C (a stale build is an ImportError); nothing here reads the
@@ -29,7 +30,13 @@ from freetoken.ops.backend import (
 )
 from freetoken.ops.decoder_layer import decoder_layer, decoder_layer_available
 from freetoken.ops.elementwise import fused_elementwise_available, rms_norm, rope_, silu_mul
-from freetoken.ops.gguf import dequantize_gguf, gguf_dequantize_available
+from freetoken.ops.gguf import (
+    dequantize_gguf,
+    gguf_dequantize_available,
+    gguf_matrix,
+    gguf_matrix_available,
+    is_gguf_matrix,
+)
 from freetoken.ops.linear import (
     GGUF_PANEL_TYPES,
     gguf_panel_type,
@@ -46,7 +53,8 @@ __all__ = [
     "BACKENDS", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K", "OpsConfig",
     "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
     "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
-    "gguf_dequantize_available", "gguf_panel_type",
+    "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_panel_type",
+    "is_gguf_matrix",
     "gumbel_noise", "pack_gguf_panels", "pack_panels", "paged_attention",
     "paged_attention_available", "panel_linear", "panel_linear_available", "panel_shape",
     "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs",

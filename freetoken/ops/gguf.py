@@ -47,3 +47,34 @@ def dequantize_gguf(rows: np.ndarray | torch.Tensor, type: str,  # noqa: A002
 
     out = gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type])
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+@functools.cache
+def _matrix_types() -> frozenset[str]:
+    return frozenset(_C.gguf_matrix_types()) if _C is not None else frozenset()
+
+
+def gguf_matrix_available(type: str) -> bool:  # noqa: A002
+    """True when the extension computes with GGUF type `type` in place here (gguf_matrix)."""
+    return type in _matrix_types() and backend_for("cpu") == "ext-cpu"
+
+
+def gguf_matrix(base: torch.Tensor, row_offsets: torch.Tensor, types: list[str],
+                ends: list[int], in_features: int) -> torch.Tensor:
+    """A weight W [N, in_features] left in its GGUF blocks: row n's blocks at byte
+    row_offsets[n] of `base` (a 1-D uint8 tensor, the file's read-only mapping), rows
+    [ends[s - 1], ends[s]) of GGUF type types[s] (a fused q|k|v may mix types) -> the descriptor
+    that panel_linear takes (csrc/linear/gguf_linear.cpp: decoded to exactly the fp32 values of
+    dequantize_gguf, fp32 FMAs in one fixed order). The descriptor holds addresses into `base`:
+    keep `base` alive as long as it is used. Raises ValueError on a bad type, size or offset."""
+    from freetoken.ops.backend import require_ext
+
+    require_ext("gguf_matrix")
+    return _C.gguf_matrix(base, row_offsets.to(torch.int64).contiguous(), list(types),
+                          [int(e) for e in ends], int(in_features))
+
+
+def is_gguf_matrix(weight: torch.Tensor) -> bool:
+    """True for a descriptor from gguf_matrix (a 1-D uint8 tensor with its magic)."""
+    return (weight.dtype == torch.uint8 and weight.dim() == 1 and weight.numel() >= 64
+            and int.from_bytes(bytes(weight[:4].tolist()), "little") == 0x4D475446)

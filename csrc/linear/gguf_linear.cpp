@@ -1,0 +1,912 @@
+// The block-resident linear: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in the
+// GGUF file's blocks, read where the file's read-only memory map has them (issue 21). No fp32
+// copy of W exists; N processes that map one file share one page-cache copy of it.
+//
+// Exactness: every weight is decoded to exactly the fp32 value gguf.quants.dequantize gives (the
+// formulas of gguf_blocks.h: an integer code times exact fp32 scales, at most one rounding), and
+// the arithmetic is fp32 FMAs. So the logits are those of the dequantized model up to summation
+// order, and that order is fixed too (below).
+//
+// One summation order for every step (issue 23): y[m, n] is the sum of 16 lane sums, lane j
+// holding x[m, k] * W[n, k] for k = j mod 16 in increasing k, accumulated by FMA, then added in
+// the fixed tree of reduce16 (lanes i + i+8, i + i+4, i + i+2, i + i+1). Nothing in it depends on
+// the step's row count, the rows beside m, the thread count or how K is chunked: a token's
+// projections give the same bits alone, in a batch of 200, or after a cached prefix. AVX2 keeps
+// the same 16 lane sums in two 8-lane vectors and gives the same bits as AVX-512; the baseline
+// x86-64 variant has no FMA and its own bits.
+//
+// Two loops, one order:
+//  * few rows (M <= kFewRows, decode): the register tile of MR rows x NR outputs walks K once;
+//    each weight vector is decoded in registers from its block (vpmovzxbd, shift, mask, convert,
+//    one FMA with the scale) and used by the MR rows. The blocks stream from memory once a step.
+//  * many rows (prefill, classify): per tile of 16 outputs and chunk of kChunk k, the weights are
+//    decoded once into an L1-resident fp32 tile, then every row of the step runs against it
+//    (MR x NR FMA micro-kernel); the lane sums carry between chunks in a per-tile buffer, exactly
+//    (fp32 stores), so the order is the few-rows loop's. Dequantization is amortized over M rows
+//    and the GEMM stays compute bound.
+// Formats decoded in registers (AVX-512 and AVX2): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q4_K, Q5_K, Q6_K. Q2_K, Q3_K, IQ4_NL, IQ4_XS (and every format on the baseline variant) decode
+// a block at a time through gguf_blocks.h into a buffer, then the same FMAs.
+//
+// The weight is a descriptor (gguf_matrix_pack): N row addresses plus segments (a fused q|k|v may
+// mix types); the caller keeps the mapping alive.
+#include "linear/gguf_linear.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "common/vec.h"
+#include "linear/gguf_blocks.h"
+#include "linear/panel_common.h"
+
+namespace freetoken {
+
+namespace {
+
+using vec::loadu;
+using vec::storeu;
+using vec::Vec;
+
+enum Type : int32_t {
+  kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1,
+  kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kNumTypes
+};
+
+struct TypeInfo {
+  const char* name;
+  int values;  // a block's weights (plain types: a "block" of 16)
+  int bytes;   // its bytes
+};
+
+constexpr TypeInfo kTypes[kNumTypes] = {
+    {"F32", 16, 64},     {"F16", 16, 32},     {"BF16", 16, 32},   {"Q8_0", 32, 34},
+    {"Q4_0", 32, 18},    {"Q4_1", 32, 20},    {"Q5_0", 32, 22},   {"Q5_1", 32, 24},
+    {"Q2_K", 256, 84},   {"Q3_K", 256, 110},  {"Q4_K", 256, 144}, {"Q5_K", 256, 176},
+    {"Q6_K", 256, 210},  {"IQ4_NL", 32, 18},  {"IQ4_XS", 256, 136},
+};
+
+constexpr int kTile = 16;            // outputs per tile (a task's unit)
+// k per decoded chunk in the many-rows loop: K cut into equal chunks of at most ~kChunk, whole
+// blocks each. NOTE: the decoded tile (16 x chunk) and the rows' x (6 x chunk) must stay in L1:
+// the dot-product micro-kernel reads 10 cache lines per 24 FMAs, and with the whole of K = 576
+// (50 KB) it ran from L2 at ~70 % of the fp32 panels' rate.
+constexpr int64_t kChunk = 256;
+constexpr int kFewRows = 8;          // steps of at most this many rows take the few-rows loop
+// NOTE: blocks are asked for this far ahead of the few-rows loop (prefetcht0), as the Q4_1 panels
+// did: one decode step reads every block from DRAM once.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// --- the descriptor -----------------------------------------------------------------------------
+
+constexpr int32_t kMagic = 0x4D475446;  // "FTGM"
+constexpr int32_t kVersion = 1;
+constexpr int64_t kHeaderBytes = 64;
+// Header (int32 words): magic, version, N, K, number of segments, 0...; then per segment
+// {int32 type, int32 0, int64 end row}; then N int64 row addresses.
+struct Segment {
+  int32_t type, pad;
+  int64_t end;
+};
+
+struct Matrix {
+  int64_t N, K;
+  const Segment* segments;
+  int64_t nseg;
+  const uint8_t* const* rows;
+};
+
+Matrix read_matrix(const at::Tensor& d, const char* op) {
+  TORCH_CHECK(d.device().is_cpu() && d.dim() == 1 && d.is_contiguous() &&
+                  d.scalar_type() == at::kByte && d.numel() >= kHeaderBytes,
+              op, ": weight must be the 1-D uint8 tensor from gguf_matrix");
+  int32_t h[kHeaderBytes / 4];
+  std::memcpy(h, d.data_ptr(), sizeof h);
+  TORCH_CHECK(h[0] == kMagic && h[1] == kVersion, op, ": weight has no gguf_matrix header");
+  Matrix m{h[2], h[3], nullptr, h[4], nullptr};
+  TORCH_CHECK(m.N >= 1 && m.K >= 1 && m.nseg >= 1 &&
+                  d.numel() == kHeaderBytes + m.nseg * 16 + m.N * 8,
+              op, ": the gguf_matrix header does not match its size");
+  const uint8_t* p = d.data_ptr<uint8_t>() + kHeaderBytes;
+  m.segments = reinterpret_cast<const Segment*>(p);
+  m.rows = reinterpret_cast<const uint8_t* const*>(p + m.nseg * 16);
+  return m;
+}
+
+// --- decoding 16 weights at a time ---------------------------------------------------------------
+
+// L bytes -> L int32 lanes, zero- or sign-extended; L uint16 -> L uint32; L fp16 -> L fp32.
+// NOTE: inline asm, not intrinsics: these are called from templates compiled per ISA through
+// the entry points' target attributes (common/isa.h), where an intrinsic's own target check
+// fails; and GCC 12 scalarizes a widening __builtin_convertvector from uint8 lanes.
+template <int L>
+FT_INLINE typename Vec<L>::i widen_u8(const uint8_t* p) {
+  typename Vec<L>::i r;
+  if constexpr (L == 16) {
+    asm("vpmovzxbd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+  } else {
+    static_assert(L == 8);
+    asm("vpmovzxbd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+  }
+  return r;
+}
+template <int L>
+FT_INLINE typename Vec<L>::i widen_s8(const uint8_t* p) {
+  typename Vec<L>::i r;
+  if constexpr (L == 16) {
+    asm("vpmovsxbd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+  } else {
+    asm("vpmovsxbd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+  }
+  return r;
+}
+template <int L>
+FT_INLINE typename Vec<L>::u widen_u16(const uint8_t* p) {
+  typename Vec<L>::u r;
+  if constexpr (L == 16) {
+    asm("vpmovzxwd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[32]>(p)));
+  } else {
+    asm("vpmovzxwd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+  }
+  return r;
+}
+template <int L>
+FT_INLINE typename Vec<L>::f half_lanes(const uint8_t* p) {
+  typename Vec<L>::f r;
+  if constexpr (L == 16) {
+    asm("vcvtph2ps %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[32]>(p)));
+  } else {
+    asm("vcvtph2ps %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+  }
+  return r;
+}
+
+template <int L>
+FT_INLINE typename Vec<L>::f to_float(typename Vec<L>::i q) {
+  return __builtin_convertvector(q, typename Vec<L>::f);
+}
+template <int L>
+FT_INLINE typename Vec<L>::u lane_index(uint32_t first) {
+  typename Vec<L>::u r;
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) r[i] = first + i;
+  return r;
+}
+
+// fp16 scales -> fp32 by F16C (vcvtph2ps; exact, as gguf_blocks' half_to_float, which costs ~12
+// scalar ops and a branch: at one row that was most of a Q4_1 block's work). Two adjacent halves
+// (d, m) in one conversion.
+FT_INLINE void half_pair(const uint8_t* p, float* a, float* b) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const typename Vec<4>::u in = {bits, 0, 0, 0};
+  typename Vec<4>::f out;
+  asm("vcvtph2ps %1, %0" : "=x"(out) : "x"(in));
+  *a = out[0];
+  *b = out[1];
+}
+FT_INLINE float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  const typename Vec<4>::u in = {bits, 0, 0, 0};
+  typename Vec<4>::f out;
+  asm("vcvtph2ps %1, %0" : "=x"(out) : "x"(in));
+  return out[0];
+}
+
+// A decoder per format: open(block) once per block, then vec(j, w) = weights [16 j, 16 j + 16) of
+// it as V = 16 / L vectors. Each weight is exactly gguf_blocks.h's value (module comment).
+template <int L, Type T>
+struct Decoder;
+
+template <int L>
+struct Base {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  using vu = typename Vec<L>::u;
+  static constexpr int V = 16 / L;
+  const uint8_t* b;
+};
+
+template <int L>
+struct Decoder<L, kF32> : Base<L> {
+  FT_INLINE void open(const uint8_t* p) { this->b = p; }
+  FT_INLINE void vec(int, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = loadu<L>(reinterpret_cast<const float*>(this->b) + v * L);
+  }
+};
+
+template <int L>
+struct Decoder<L, kF16> : Base<L> {
+  FT_INLINE void open(const uint8_t* p) { this->b = p; }
+  FT_INLINE void vec(int, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v) w[v] = half_lanes<L>(this->b + 2 * v * L);
+  }
+};
+
+template <int L>
+struct Decoder<L, kBF16> : Base<L> {
+  FT_INLINE void open(const uint8_t* p) { this->b = p; }
+  FT_INLINE void vec(int, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = reinterpret_cast<typename Base<L>::vf>(widen_u16<L>(this->b + 2 * v * L) << 16);
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ8_0> : Base<L> {  // d, qs[32] int8: w = q * d
+  typename Base<L>::vf d;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    d = vec::splat<L>(half_to_float(p));
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = to_float<L>(widen_s8<L>(this->b + 2 + 16 * j + v * L)) * d;
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ4_0> : Base<L> {  // d, qs[16]: w = (q - 8) * d, q low nibbles then high
+  typename Base<L>::vf d;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    d = vec::splat<L>(half_to_float(p));
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v) {
+      const typename Base<L>::vi q = widen_u8<L>(this->b + 2 + v * L);
+      w[v] = to_float<L>((j ? q >> 4 : q & 15) - 8) * d;
+    }
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ4_1> : Base<L> {  // d, m, qs[16]: w = q * d + m
+  typename Base<L>::vf d, m;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    float dd, mm;
+    half_pair(p, &dd, &mm);
+    d = vec::splat<L>(dd);
+    m = vec::splat<L>(mm);
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v) {
+      const typename Base<L>::vi q = widen_u8<L>(this->b + 4 + v * L);
+      w[v] = to_float<L>(j ? q >> 4 : q & 15) * d + m;
+    }
+  }
+};
+
+// Q5_0 / Q5_1: the nibble of qs plus bit (16 j + lane) of qh as bit 4.
+template <int L>
+FT_INLINE typename Vec<L>::i five_bits(const uint8_t* qs, uint32_t qh, int j, int v) {
+  const typename Vec<L>::i q = widen_u8<L>(qs + v * L);
+  const typename Vec<L>::u hi = ((typename Vec<L>::u{} + qh) >> lane_index<L>(16 * j + v * L)) & 1;
+  return (j ? q >> 4 : q & 15) | typename Vec<L>::i(hi << 4);
+}
+
+template <int L>
+struct Decoder<L, kQ5_0> : Base<L> {  // d, qh (u32), qs[16]: w = (q - 16) * d
+  typename Base<L>::vf d;
+  uint32_t qh;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    d = vec::splat<L>(half_to_float(p));
+    std::memcpy(&qh, p + 2, 4);
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = to_float<L>(five_bits<L>(this->b + 6, qh, j, v) - 16) * d;
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ5_1> : Base<L> {  // d, m, qh (u32), qs[16]: w = q * d + m
+  typename Base<L>::vf d, m;
+  uint32_t qh;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    float dd, mm;
+    half_pair(p, &dd, &mm);
+    d = vec::splat<L>(dd);
+    m = vec::splat<L>(mm);
+    std::memcpy(&qh, p + 4, 4);
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = to_float<L>(five_bits<L>(this->b + 8, qh, j, v)) * d + m;
+  }
+};
+
+// Q4_K / Q5_K: eight sub-blocks of 32, each with a 6-bit scale and min: w = (d sc) q - dmin mn.
+template <int L>
+struct KScales : Base<L> {
+  float dsc[8], dmn[8];
+  // The eight 6-bit scales and mins of the 12 scale bytes (gguf_blocks::scale_min_k4) four at a
+  // time in 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales
+  // 4-7; bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble)
+  // and of mins 4-7 (high nibble). ~15 ops a block instead of ~100 scalar ones.
+  FT_INLINE void open_scales(const uint8_t* p) {
+    this->b = p;
+    float d, dmin;
+    half_pair(p, &d, &dmin);
+    uint32_t a, bb, c;
+    std::memcpy(&a, p + 4, 4);
+    std::memcpy(&bb, p + 8, 4);
+    std::memcpy(&c, p + 12, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = bb & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((bb >> 6) & 0x03030303u) << 4);
+    using v8 = typename Vec<8>::f;
+    using i8 = typename Vec<8>::i;
+    const i8 sc = {int32_t(sc_lo & 255), int32_t(sc_lo >> 8 & 255), int32_t(sc_lo >> 16 & 255),
+                   int32_t(sc_lo >> 24), int32_t(sc_hi & 255), int32_t(sc_hi >> 8 & 255),
+                   int32_t(sc_hi >> 16 & 255), int32_t(sc_hi >> 24)};
+    const i8 mn = {int32_t(mn_lo & 255), int32_t(mn_lo >> 8 & 255), int32_t(mn_lo >> 16 & 255),
+                   int32_t(mn_lo >> 24), int32_t(mn_hi & 255), int32_t(mn_hi >> 8 & 255),
+                   int32_t(mn_hi >> 16 & 255), int32_t(mn_hi >> 24)};
+    const v8 vd = __builtin_convertvector(sc, v8) * vec::in_register(v8{} + d);
+    const v8 vm = __builtin_convertvector(mn, v8) * vec::in_register(v8{} + dmin);
+    std::memcpy(dsc, &vd, sizeof vd);
+    std::memcpy(dmn, &vm, sizeof vm);
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ4_K> : KScales<L> {  // d, dmin, scales[12], qs[128]
+  FT_INLINE void open(const uint8_t* p) { this->open_scales(p); }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    const int g = j >> 1;  // sub-block: 32-byte chunk g / 2, nibble g % 2
+    const uint8_t* q = this->b + 16 + (g >> 1) * 32 + (j & 1) * 16;
+    const auto d = vec::splat<L>(this->dsc[g]), mn = vec::splat<L>(this->dmn[g]);
+    for (int v = 0; v < Base<L>::V; ++v)
+      w[v] = to_float<L>((widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15) * d - mn;
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ5_K> : KScales<L> {  // d, dmin, scales[12], qh[32], qs[128]
+  FT_INLINE void open(const uint8_t* p) { this->open_scales(p); }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    const int g = j >> 1;
+    const uint8_t* q = this->b + 48 + (g >> 1) * 32 + (j & 1) * 16;
+    const uint8_t* qh = this->b + 16 + (j & 1) * 16;
+    const auto d = vec::splat<L>(this->dsc[g]), mn = vec::splat<L>(this->dmn[g]);
+    for (int v = 0; v < Base<L>::V; ++v) {
+      const auto lo = (widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15;
+      const auto hi = (widen_u8<L>(qh + v * L) >> g) & 1;
+      w[v] = to_float<L>(lo | (hi << 4)) * d - mn;
+    }
+  }
+};
+
+template <int L>
+struct Decoder<L, kQ6_K> : Base<L> {  // ql[128], qh[64], scales[16] int8, d: w = d sc (q - 32)
+  float d;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    d = half_to_float(p + 208);
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    // weights f = 16 j + l: half h = j / 8, r = f % 128; low 4 bits from ql[64 h + r % 64]
+    // (nibble r / 64), high 2 from qh[32 h + r % 32] (bits 2 (r / 32)); scale j.
+    const int h = j >> 3;
+    const uint8_t* ql = this->b + h * 64 + (j & 3) * 16;
+    const uint8_t* qh = this->b + 128 + h * 32 + (j & 1) * 16;
+    const int lo_shift = 4 * ((j >> 2) & 1), hi_shift = 2 * ((j >> 1) & 3);
+    const auto s = vec::splat<L>(d * static_cast<float>(static_cast<int8_t>(this->b[192 + j])));
+    for (int v = 0; v < Base<L>::V; ++v) {
+      const auto lo = (widen_u8<L>(ql + v * L) >> lo_shift) & 15;
+      const auto hi = (widen_u8<L>(qh + v * L) >> hi_shift) & 3;
+      w[v] = to_float<L>((lo | (hi << 4)) - 32) * s;
+    }
+  }
+};
+
+// Every other format (and every format on the baseline variant): the block decoded by its scalar
+// function into a buffer.
+template <Type T>
+FT_INLINE void scalar_block(const uint8_t* p, float* y) {
+  namespace gb = gguf_blocks;
+  if constexpr (T == kF32) std::memcpy(y, p, 64);
+  else if constexpr (T == kF16) for (int i = 0; i < 16; ++i) gb::f16(p + 2 * i, y + i);
+  else if constexpr (T == kBF16) for (int i = 0; i < 16; ++i) gb::bf16(p + 2 * i, y + i);
+  else if constexpr (T == kQ8_0) gb::q8_0(p, y);
+  else if constexpr (T == kQ4_0) gb::q4_0(p, y);
+  else if constexpr (T == kQ4_1) gb::q4_1(p, y);
+  else if constexpr (T == kQ5_0) gb::q5_0(p, y);
+  else if constexpr (T == kQ5_1) gb::q5_1(p, y);
+  else if constexpr (T == kQ2_K) gb::q2_k(p, y);
+  else if constexpr (T == kQ3_K) gb::q3_k(p, y);
+  else if constexpr (T == kQ4_K) gb::q4_k(p, y);
+  else if constexpr (T == kQ5_K) gb::q5_k(p, y);
+  else if constexpr (T == kQ6_K) gb::q6_k(p, y);
+  else if constexpr (T == kIQ4_NL) gb::iq4_nl(p, y);
+  else gb::iq4_xs(p, y);
+}
+
+template <int L, Type T>
+struct Buffered : Base<L> {
+  alignas(64) float buf[kTypes[T].values];
+  FT_INLINE void open(const uint8_t* p) { scalar_block<T>(p, buf); }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    for (int v = 0; v < Base<L>::V; ++v) w[v] = loadu<L>(buf + 16 * j + v * L);
+  }
+};
+
+template <int L> struct Decoder<L, kQ2_K> : Buffered<L, kQ2_K> {};
+template <int L> struct Decoder<L, kQ3_K> : Buffered<L, kQ3_K> {};
+template <int L> struct Decoder<L, kIQ4_NL> : Buffered<L, kIQ4_NL> {};
+template <int L> struct Decoder<L, kIQ4_XS> : Buffered<L, kIQ4_XS> {};
+
+// The baseline variant (4 lanes, SSE2: no byte widening) decodes every format through the buffer.
+template <int L, Type T>
+using DecoderFor = std::conditional_t<L == 4, Buffered<L, T>, Decoder<L, T>>;
+
+// --- the fixed summation order ---------------------------------------------------------------------
+
+// The 16 lane sums of one output -> their sum, in the one tree (module comment).
+FT_INLINE float reduce16(const float* a) {
+  float t8[8], t4[4];
+  for (int i = 0; i < 8; ++i) t8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) t4[i] = t8[i] + t8[i + 4];
+  return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+// 16 outputs' lane sums (a [16 outputs][16 lanes]) -> out[16], each exactly reduce16 of its row,
+// four levels of shuffles over all 16 at once (3 ops an output instead of ~20).
+template <int L>
+FT_INLINE void reduce16x16(const float* a, float* out) {
+  if constexpr (L != 16) {
+    for (int n = 0; n < 16; ++n) out[n] = reduce16(a + 16 * n);
+  } else {
+    using vf = typename Vec<16>::f;
+    using vi = typename Vec<16>::i;
+    // c[p]: lanes 0-7 = output p's t8, lanes 8-15 = output p + 8's
+    vf c[8];
+    for (int p = 0; p < 8; ++p) {
+      const vf x = loadu<16>(a + 16 * p), y = loadu<16>(a + 16 * (p + 8));
+      c[p] = __builtin_shuffle(x, y, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+             __builtin_shuffle(x, y, vi{8, 9, 10, 11, 12, 13, 14, 15,
+                                        24, 25, 26, 27, 28, 29, 30, 31});
+    }
+    // d[p]: groups of 4 = t4 of outputs p, p + 8, p + 4, p + 12
+    vf d[4];
+    for (int p = 0; p < 4; ++p)
+      d[p] = __builtin_shuffle(c[p], c[p + 4], vi{0, 1, 2, 3, 8, 9, 10, 11,
+                                                  16, 17, 18, 19, 24, 25, 26, 27}) +
+             __builtin_shuffle(c[p], c[p + 4], vi{4, 5, 6, 7, 12, 13, 14, 15,
+                                                  20, 21, 22, 23, 28, 29, 30, 31});
+    // e[p]: pairs = t2 of outputs p, p + 8, p + 4, p + 12, p + 2, p + 10, p + 6, p + 14
+    vf e[2];
+    for (int p = 0; p < 2; ++p)
+      e[p] = __builtin_shuffle(d[p], d[p + 2], vi{0, 1, 4, 5, 8, 9, 12, 13,
+                                                  16, 17, 20, 21, 24, 25, 28, 29}) +
+             __builtin_shuffle(d[p], d[p + 2], vi{2, 3, 6, 7, 10, 11, 14, 15,
+                                                  18, 19, 22, 23, 26, 27, 30, 31});
+    // f: outputs 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15
+    const vf f = __builtin_shuffle(e[0], e[1], vi{0, 2, 4, 6, 8, 10, 12, 14,
+                                                  16, 18, 20, 22, 24, 26, 28, 30}) +
+                 __builtin_shuffle(e[0], e[1], vi{1, 3, 5, 7, 9, 11, 13, 15,
+                                                  17, 19, 21, 23, 25, 27, 29, 31});
+    storeu<16>(out, __builtin_shuffle(f, vi{0, 8, 4, 12, 2, 10, 6, 14,
+                                           1, 9, 5, 13, 3, 11, 7, 15}));
+  }
+}
+
+// --- the two loops -----------------------------------------------------------------------------
+
+struct Call {
+  const float* x;  // [M, K]
+  int64_t M, K, N;
+  const float* bias;  // [N] or null
+  float* y;           // [M, N]
+  const uint8_t* const* rows;
+  const int64_t* tile_n0;  // tiles: [tile_n0[t], tile_n1[t]) of one segment, <= kTile outputs
+  const int64_t* tile_n1;
+  const int32_t* tile_type;
+};
+
+// acc += w * x on every lane (FMA where the ISA has it: contracted, -ffp-contract=fast)
+template <int L>
+FT_INLINE typename Vec<L>::f fma(typename Vec<L>::f w, typename Vec<L>::f x,
+                                 typename Vec<L>::f acc) {
+  return acc + w * x;
+}
+
+// Few rows: rows [m0, m0 + MR) x outputs rows[0..NR) over all of K, decoded in registers.
+// out[m][n] = the lane sums.
+template <int L, Type T, int MR, int NR>
+FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&rows)[NR],
+                             float (&sums)[MR][NR][16]) {
+  using D = DecoderFor<L, T>;
+  using vf = typename Vec<L>::f;
+  constexpr int V = 16 / L, J = kTypes[T].values / 16, B = kTypes[T].bytes;
+  vf acc[MR][NR][V];
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+    for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) acc[m][n][v] = vf{};
+  const int64_t nb = c.K / kTypes[T].values;
+  const float* xr = c.x + m0 * c.K;
+  for (int64_t b = 0; b < nb; ++b) {
+    D blk[NR];
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      __builtin_prefetch(rows[n] + b * B + kPrefetchBytes, 0, 3);
+      if constexpr (B > 64) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 64, 0, 3);
+      if constexpr (B > 128) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 128, 0, 3);
+      if constexpr (B > 192) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 192, 0, 3);
+      blk[n].open(rows[n] + b * B);
+    }
+    const float* xb = xr + b * kTypes[T].values;
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) {
+      vf xv[MR][V];
+#pragma GCC unroll 64
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) xv[m][v] = loadu<L>(xb + m * c.K + 16 * j + v * L);
+#pragma GCC unroll 64
+      for (int n = 0; n < NR; ++n) {
+        vf w[V];
+        blk[n].vec(j, w);
+#pragma GCC unroll 64
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) acc[m][n][v] = fma<L>(vec::in_register(w[v]), xv[m][v],
+                                                            acc[m][n][v]);
+      }
+      // NOTE: a step's decoding stays with its FMAs: unrolled over a K-quant block, GCC decoded
+      // all 16 x NR vectors first and spilled them to the stack.
+      asm volatile("" ::: "memory");
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n)
+      for (int v = 0; v < V; ++v) storeu<L>(sums[m][n] + v * L, acc[m][n][v]);
+}
+
+// Outputs per register tile of the few-rows loop: enough FMA chains (MR x NR) at one row, fewer
+// decoded vectors per FMA at eight.
+template <int L, int MR>
+constexpr int few_rows_nr() {
+  if constexpr (L == 16) return MR <= 4 ? 4 : 2;
+  return 2;
+}
+
+template <int L, Type T, int MR>
+FT_INLINE void few_rows_rows(const Call& c, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int NR = few_rows_nr<L, MR>();
+  for (int64_t n = n0; n < n1; n += NR) {
+    const uint8_t* rows[NR];
+    for (int i = 0; i < NR; ++i) rows[i] = c.rows[std::min(n + i, n1 - 1)];  // tail: repeat
+    float sums[MR][NR][16];
+    few_rows_tile<L, T, MR, NR>(c, m0, rows, sums);
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < NR && n + i < n1; ++i)
+        c.y[(m0 + m) * c.N + n + i] = reduce16(sums[m][i]) + (c.bias ? c.bias[n + i] : 0.f);
+  }
+}
+
+template <int L, Type T, int MR>
+FT_INLINE void few_rows_dispatch(const Call& c, int mr, int64_t n0, int64_t n1, int64_t m0) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return few_rows_dispatch<L, T, MR - 1>(c, mr, n0, n1, m0);
+  }
+  few_rows_rows<L, T, MR>(c, n0, n1, m0);
+}
+
+template <int L>
+constexpr int few_rows_max() {
+  return L == 16 ? kFewRows : L == 8 ? 2 : 1;
+}
+
+// Many rows: the micro-kernel. Rows [0, MR) of x (row stride K) x outputs [0, NR) of the decoded
+// tile w ([kTile][kChunk]) over kv vectors of k; lane sums in acc ([rows][kTile][16]), loaded
+// unless this is K's first chunk.
+template <int L, int MR, int NR>
+FT_INLINE void micro_kernel(const float* x, int64_t K, const float* w, int64_t ldw, int kv,
+                            float* acc, bool first) {
+  using vf = typename Vec<L>::f;
+  constexpr int V = 16 / L;
+  vf a[MR][NR][V];
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+    for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v)
+        a[m][n][v] = first ? vf{} : loadu<L>(acc + (m * kTile + n) * 16 + v * L);
+  for (int k = 0; k < kv; ++k) {
+    vf wv[NR][V];
+#pragma GCC unroll 64
+    for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v)
+        wv[n][v] = vec::in_register(loadu<L>(w + n * ldw + 16 * k + v * L));
+#pragma GCC unroll 64
+    for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) {
+        const vf xv = vec::in_register(loadu<L>(x + m * K + 16 * k + v * L));
+#pragma GCC unroll 64
+        for (int n = 0; n < NR; ++n) a[m][n][v] = fma<L>(wv[n][v], xv, a[m][n][v]);
+      }
+    }
+  }
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 64
+    for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) storeu<L>(acc + (m * kTile + n) * 16 + v * L, a[m][n][v]);
+}
+
+// Register tiles: AVX-512 3 rows x 4 outputs; AVX2 (two vectors an output) 2 x 2 in its 16
+// registers; baseline (four) 1 x 1. NOTE: measured, not derived: on this project's Zen 5 the
+// 3 x 4 tile ran at 205-245 GF/s a core, 6 x 4 (24 accumulators) at 145-180, 2 x 8 at ~205.
+template <int L>
+constexpr int many_mr() { return L == 16 ? 3 : L == 8 ? 2 : 1; }
+template <int L>
+constexpr int many_nr() { return L == 16 ? 4 : L == 8 ? 2 : 1; }
+
+template <int L, int MR>
+FT_INLINE void micro_rows(int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv,
+                          float* acc, bool first) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return micro_rows<L, MR - 1>(mr, x, K, w, ldw, kv, acc, first);
+  }
+  constexpr int NR = many_nr<L>();
+  for (int n = 0; n < kTile; n += NR)
+    micro_kernel<L, MR, NR>(x, K, w + n * ldw, ldw, kv, acc + n * 16, first);
+}
+
+FT_INLINE int64_t chunk_of(int64_t K, int64_t block) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  return (K / block + chunks - 1) / chunks * block;
+}
+
+// The micro-kernel loop as its own (not inlined) function per ISA. NOTE: inlined into the
+// per-format tile code, GCC ran short of general registers and reloaded an address from the
+// stack in the FMA loop: ~155 GF/s a core against ~225 alone.
+using MicroFn = void (*)(int, const float*, int64_t, const float*, int64_t, int, float*, bool);
+FT_TARGET_AVX512 __attribute__((noinline)) void micro_avx512(
+    int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv, float* acc,
+    bool first) {
+  micro_rows<16, many_mr<16>()>(mr, x, K, w, ldw, kv, acc, first);
+}
+FT_TARGET_AVX2 __attribute__((noinline)) void micro_avx2(
+    int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv, float* acc,
+    bool first) {
+  micro_rows<8, many_mr<8>()>(mr, x, K, w, ldw, kv, acc, first);
+}
+__attribute__((noinline)) void micro_base(int mr, const float* x, int64_t K, const float* w,
+                                          int64_t ldw, int kv, float* acc, bool first) {
+  micro_rows<4, many_mr<4>()>(mr, x, K, w, ldw, kv, acc, first);
+}
+template <int L>
+constexpr MicroFn micro_for() {
+  return L == 16 ? &micro_avx512 : L == 8 ? &micro_avx2 : &micro_base;
+}
+
+template <int L, Type T>
+FT_INLINE void many_rows_tile(const Call& c, int64_t n0, int64_t n1, float* w, float* acc) {
+  using vf = typename Vec<L>::f;
+  constexpr int V = 16 / L, J = kTypes[T].values / 16, B = kTypes[T].bytes;
+  constexpr int MR = many_mr<L>();
+  const int64_t chunk = chunk_of(c.K, kTypes[T].values);
+  const int64_t PB = chunk / kTypes[T].values;  // blocks a chunk
+  const int64_t nb = c.K / kTypes[T].values;
+  for (int64_t b0 = 0; b0 < nb; b0 += PB) {
+    const int64_t b1 = std::min(nb, b0 + PB);
+    const int kv = static_cast<int>((b1 - b0) * J);
+    for (int i = 0; i < kTile; ++i) {  // decode the tile's chunk (tail outputs: repeat the last)
+      const uint8_t* row = c.rows[std::min(n0 + i, n1 - 1)];
+      for (int64_t b = b0; b < b1; ++b) {
+        DecoderFor<L, T> blk;
+        blk.open(row + b * B);
+#pragma GCC unroll 16
+        for (int j = 0; j < J; ++j) {
+          vf wv[V];
+          blk.vec(j, wv);
+          for (int v = 0; v < V; ++v)
+            storeu<L>(w + i * chunk + ((b - b0) * J + j) * 16 + v * L, wv[v]);
+        }
+      }
+    }
+    const float* xc = c.x + b0 * kTypes[T].values;
+    for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
+      micro_for<L>()(mr, xc + m0 * c.K, c.K, w, chunk, kv, acc + m0 * kTile * 16, b0 == 0);
+    }
+  }
+  float out[kTile];
+  for (int64_t m = 0; m < c.M; ++m) {
+    reduce16x16<L>(acc + m * kTile * 16, out);
+    for (int64_t n = n0; n < n1; ++n)
+      c.y[m * c.N + n] = out[n - n0] + (c.bias ? c.bias[n] : 0.f);
+  }
+}
+
+template <int L, Type T>
+FT_INLINE void run_tile(const Call& c, int64_t n0, int64_t n1, bool few, float* w, float* acc) {
+  if (few) {
+    few_rows_dispatch<L, T, few_rows_max<L>()>(c, static_cast<int>(c.M), n0, n1, 0);
+  } else {
+    many_rows_tile<L, T>(c, n0, n1, w, acc);
+  }
+}
+
+FT_INLINE float* aligned64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
+// Tiles [t0, t1) of the call, by format.
+template <int L>
+FT_INLINE void run_tiles(const Call& c, int64_t t0, int64_t t1) {
+  const bool few = c.M <= few_rows_max<L>();
+  // NOTE: 64-byte aligned: a 16-byte aligned tile split every weight load over two cache lines
+  // and the many-rows loop ran at ~60 % of the fp32 panels' rate.
+  thread_local std::vector<float> w_store, acc_store;
+  float* w_buf = nullptr;
+  float* acc_buf = nullptr;
+  if (!few) {
+    w_store.resize(kTile * (kChunk + 256) + 16);  // chunk_of < kChunk + a block
+    acc_store.resize(static_cast<size_t>(c.M) * kTile * 16 + 16);
+    w_buf = aligned64(w_store.data());
+    acc_buf = aligned64(acc_store.data());
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = c.tile_n0[t], n1 = c.tile_n1[t];
+    switch (c.tile_type[t]) {
+#define FT_TYPE_CASE(T)                                               \
+  case T:                                                             \
+    run_tile<L, T>(c, n0, n1, few, w_buf, acc_buf);               \
+    break;
+      FT_TYPE_CASE(kF32) FT_TYPE_CASE(kF16) FT_TYPE_CASE(kBF16) FT_TYPE_CASE(kQ8_0)
+      FT_TYPE_CASE(kQ4_0) FT_TYPE_CASE(kQ4_1) FT_TYPE_CASE(kQ5_0) FT_TYPE_CASE(kQ5_1)
+      FT_TYPE_CASE(kQ2_K) FT_TYPE_CASE(kQ3_K) FT_TYPE_CASE(kQ4_K) FT_TYPE_CASE(kQ5_K)
+      FT_TYPE_CASE(kQ6_K) FT_TYPE_CASE(kIQ4_NL) FT_TYPE_CASE(kIQ4_XS)
+#undef FT_TYPE_CASE
+      default: break;
+    }
+  }
+}
+
+FT_TARGET_AVX512 void run_avx512(const Call& c, int64_t t0, int64_t t1) { run_tiles<16>(c, t0, t1); }
+FT_TARGET_AVX2 void run_avx2(const Call& c, int64_t t0, int64_t t1) { run_tiles<8>(c, t0, t1); }
+void run_base(const Call& c, int64_t t0, int64_t t1) { run_tiles<4>(c, t0, t1); }
+
+int type_id(const std::string& name) {
+  for (int t = 0; t < kNumTypes; ++t)
+    if (name == kTypes[t].name) return t;
+  return -1;
+}
+
+}  // namespace
+
+std::vector<std::string> gguf_matrix_types() {
+  std::vector<std::string> out;
+  for (const TypeInfo& t : kTypes) out.emplace_back(t.name);
+  return out;
+}
+
+at::Tensor gguf_matrix_pack(const at::Tensor& base, const at::Tensor& row_offsets,
+                            const std::vector<std::string>& types,
+                            const std::vector<int64_t>& ends, int64_t K) {
+  TORCH_CHECK_VALUE(base.device().is_cpu() && base.scalar_type() == at::kByte && base.dim() == 1,
+                    "gguf_matrix: base must be a 1-D uint8 CPU tensor (the file's mapping)");
+  TORCH_CHECK_VALUE(row_offsets.device().is_cpu() && row_offsets.scalar_type() == at::kLong &&
+                        row_offsets.dim() == 1 && row_offsets.numel() >= 1,
+                    "gguf_matrix: row_offsets must be a 1-D int64 CPU tensor [N >= 1]");
+  const int64_t N = row_offsets.numel();
+  TORCH_CHECK_VALUE(!types.empty() && types.size() == ends.size() && ends.back() == N,
+                    "gguf_matrix: types and ends are one per segment, the last end N = ", N);
+  TORCH_CHECK_VALUE(K >= 16 && K <= INT32_MAX && N <= INT32_MAX, "gguf_matrix: bad K ", K);
+  const at::Tensor off = row_offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t nseg = static_cast<int64_t>(types.size());
+  at::Tensor out = at::zeros({kHeaderBytes + nseg * 16 + N * 8}, base.options());
+  uint8_t* p = out.data_ptr<uint8_t>();
+  const int32_t h[5] = {kMagic, kVersion, static_cast<int32_t>(N), static_cast<int32_t>(K),
+                        static_cast<int32_t>(nseg)};
+  std::memcpy(p, h, sizeof h);
+  auto* seg = reinterpret_cast<Segment*>(p + kHeaderBytes);
+  auto* rows = reinterpret_cast<const uint8_t**>(p + kHeaderBytes + nseg * 16);
+  const uint8_t* b = base.data_ptr<uint8_t>();
+  int64_t start = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int t = type_id(types[s]);
+    TORCH_CHECK_VALUE(t >= 0, "gguf_matrix: no kernel for GGUF type ", types[s]);
+    TORCH_CHECK_VALUE(K % kTypes[t].values == 0, "gguf_matrix: a ", types[s], " row holds a "
+                      "multiple of ", kTypes[t].values, " weights, not ", K);
+    TORCH_CHECK_VALUE(ends[s] > start && ends[s] <= N, "gguf_matrix: segment ends must rise");
+    const int64_t row_bytes = K / kTypes[t].values * kTypes[t].bytes;
+    for (int64_t n = start; n < ends[s]; ++n) {
+      TORCH_CHECK_VALUE(o[n] >= 0 && o[n] + row_bytes <= base.numel(), "gguf_matrix: row ", n,
+                        " at byte ", o[n], " (", row_bytes, " bytes) lies outside base (",
+                        base.numel(), " bytes)");
+      rows[n] = b + o[n];
+    }
+    seg[s] = {t, 0, ends[s]};
+    start = ends[s];
+  }
+  return out;
+}
+
+std::vector<int64_t> gguf_matrix_shape(const at::Tensor& weight) {
+  const Matrix m = read_matrix(weight, "gguf_matrix_shape");
+  return {m.N, m.K};
+}
+
+bool is_gguf_matrix(const at::Tensor& weight) {
+  if (!weight.defined() || !weight.device().is_cpu() || weight.scalar_type() != at::kByte ||
+      weight.dim() != 1 || weight.numel() < kHeaderBytes)
+    return false;
+  int32_t magic;
+  std::memcpy(&magic, weight.data_ptr(), 4);
+  return magic == kMagic;
+}
+
+at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias) {
+  const Matrix mat = read_matrix(weight, "gguf_linear");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                        x.is_contiguous(),
+                    "gguf_linear: x must be a contiguous 2-D fp32 CPU tensor [M, K]");
+  TORCH_CHECK_VALUE(x.size(1) == mat.K, "gguf_linear: x has K = ", x.size(1),
+                    ", the weight has K = ", mat.K);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                          bias->dim() == 1 && bias->size(0) == mat.N && bias->is_contiguous(),
+                      "gguf_linear: bias must be a contiguous fp32 CPU tensor [", mat.N, "]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, mat.N}, x.options());
+  if (M == 0) return y;
+  // Tiles of kTile outputs, never across a segment.
+  std::vector<int64_t> n0s, n1s;
+  std::vector<int32_t> types;
+  double bytes = 0;
+  int64_t start = 0;
+  for (int64_t s = 0; s < mat.nseg; ++s) {
+    const Segment& seg = mat.segments[s];
+    for (int64_t n = start; n < seg.end; n += kTile) {
+      n0s.push_back(n);
+      n1s.push_back(std::min(seg.end, n + kTile));
+      types.push_back(seg.type);
+    }
+    bytes += static_cast<double>(seg.end - start) * mat.K / kTypes[seg.type].values *
+             kTypes[seg.type].bytes;
+    start = seg.end;
+  }
+  const Call c{x.data_ptr<float>(), M, mat.K, mat.N, b, y.data_ptr<float>(), mat.rows,
+               n0s.data(), n1s.data(), types.data()};
+  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
+  auto* run = isa == Isa::kAvx512 ? &run_avx512 : isa == Isa::kAvx2 ? &run_avx2 : &run_base;
+  // One thread's time, roughly: the blocks at ~20 GB/s or the flops at ~80 GFLOP/s.
+  const int64_t ntiles = static_cast<int64_t>(n0s.size());
+  const double est_ns = std::max(bytes / 20.0, 2.0 * M * mat.N * mat.K / 80.0);
+  const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
+  // Tasks: a few contiguous tile ranges per thread (dynamic claiming absorbs a late helper).
+  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, ntiles);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
+    run(c, ntiles * t / n, ntiles * (t + 1) / n);
+  });
+  return y;
+}
+
+}  // namespace freetoken
