@@ -25,7 +25,7 @@ namespace freetoken {
 
 namespace {
 
-// N and K of a panel-packed weight (pack_panels / pack_gguf_panels), checked.
+// N and K of a panel-packed weight (pack_panels) or a GGUF descriptor (gguf_matrix), checked.
 std::pair<int64_t, int64_t> panel_nk(const at::Tensor& packed) {
   const std::vector<int64_t> nk = panel_shape_cpu(packed);
   return {nk[0], nk[1]};

@@ -64,9 +64,8 @@ class Engine:
         self.eos_token_ids = list(loaded.eos_token_ids)
         mc = loaded.config
         bs = config.block_size
-        weight = self.model.embed_tokens.weight
         bytes_per_block = KVCache.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads,
-                                                  mc.head_dim, mc.hidden_size, weight.dtype)
+                                                  mc.head_dim, mc.hidden_size, self.model.dtype)
         self.num_blocks = config.resolve_num_blocks(bytes_per_block)
         model_len = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -90,7 +89,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, self.eos_token_ids,
                                    enable_partial_reuse=config.enable_partial_block_reuse)
-        self.runner = Runner(self.model, self.kv, Sampler(weight.device), self.eos_token_ids)
+        self.runner = Runner(self.model, self.kv, Sampler(self.model.device), self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()

@@ -85,7 +85,7 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     model = loaded.model
-    device = model.embed_tokens.weight.device
+    device = model.device
     total = len(prompt_ids) + max_new_tokens
     num_blocks = max(1, math.ceil(total / block_size))
     kv: KVCache = model.make_kv_cache(num_blocks, block_size)

@@ -1,13 +1,15 @@
-"""GGUF file -> (ModelConfig, HF-named fp32 weights), through the `gguf` reader package.
+"""GGUF file -> (ModelConfig, HF-named weights), through the `gguf` reader package.
 
-Every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q2_K..Q6_K, ...) is dequantised to fp32, each weight exactly the value that function gives:
-through freetoken.ops.dequantize_gguf's C++ kernel where it covers the type (every one above and
-IQ4_NL / IQ4_XS), through the gguf package itself for the rest; the model casts to its dtype.
-read_blocks also hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model on
-the CPU keeps packed for steps of few rows (freetoken/model/linear.py: dequantised in registers to
-the same fp32 values). Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads
-the same file's vocabulary).
+Two ways to read the weights:
+  * read_in_place (fp32 on the CPU extension, the default there): every matrix stays where the
+    file's read-only memory map has it, handed over as a GGUFMatrix (row offsets into the map,
+    q/k rows un-permuted by reordering their offsets: a row's blocks move with it); only the
+    small tensors (norms, biases) are dequantised. A matrix of a type the in-place kernel does not
+    take is an error naming the tensor and its type.
+  * read_weights: every tensor dequantised to fp32, each weight exactly the value
+    `gguf.quants.dequantize` gives (through freetoken.ops.dequantize_gguf's C++ kernel where it
+    covers the type, through the gguf package itself for the rest); the model casts to its dtype.
+Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads the same file's vocabulary).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from freetoken import ops
 from freetoken.loader.progress import progress as show_progress
 from freetoken.loader.progress import progress_done
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import GGUF_BLOCK_TYPES, GGUFBlocks
+from freetoken.model.linear import GGUFMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -219,21 +221,67 @@ def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str
     return weights
 
 
-def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
-    """The 2-D weights stored as GGUF_BLOCK_TYPES, as raw blocks keyed by HF names: rows [out,
-    row bytes] uint8, q/k rows un-permuted as read_weights does (a row's blocks move with it)."""
-    permute = config.arch in ("llama", "mistral")
-    blocks: dict[str, GGUFBlocks] = {}
-    for t in reader.tensors:
+def _unpermuted_order(name: str, config: ModelConfig, rows: int) -> np.ndarray | None:
+    """The row order read_weights' reverse_permute gives a q/k tensor (None for the rest)."""
+    if config.arch not in ("llama", "mistral"):
+        return None
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        return reverse_permute(np.arange(rows), config.num_heads)
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
+        return reverse_permute(np.arange(rows), config.num_kv_heads)
+    return None
+
+
+def read_in_place(reader, config: ModelConfig, progress: bool = True
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, GGUFMatrix]]:
+    """(the 1-D tensors dequantised to fp32, every 2-D weight as a GGUFMatrix over the file's
+    memory map), keyed by HF names. Raises ValueError naming a matrix whose type the in-place
+    kernel does not take."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # NOTE: the map is read-only and only ever read; torch warns about writes through it.
+        warnings.simplefilter("ignore", UserWarning)
+        mapping = torch.from_numpy(reader.data)  # the whole file, np.memmap mode "r"
+    small: dict[str, torch.Tensor] = {}
+    matrices: dict[str, GGUFMatrix] = {}
+    tensors = list(reader.tensors)
+    start = time.perf_counter()
+    for i, t in enumerate(tensors):
         name = _hf_name(t.name)
-        if name is None or t.tensor_type.name not in GGUF_BLOCK_TYPES or len(t.shape) != 2:
+        if name is None:
+            if t.name != "rope_freqs.weight":  # read into config.rope_scaling
+                raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
+            continue
+        kind = t.tensor_type.name
+        if len(t.shape) != 2:
+            small[name] = _dequantized(t, config)
             continue
         in_features, out_features = (int(n) for n in t.shape)  # gguf shapes are [ne0, ne1]
-        rows = np.asarray(t.data).reshape(out_features, -1)
-        if permute and t.name.endswith("attn_q.weight"):
-            rows = reverse_permute(rows, config.num_heads)
-        elif permute and t.name.endswith("attn_k.weight"):
-            rows = reverse_permute(rows, config.num_kv_heads)
-        blocks[name] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(rows)),
-                                  in_features)
-    return blocks
+        if not ops.gguf_matrix_available(kind) or in_features % 16:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {kind}, which FreeToken does not compute with "
+                f"in place (it does F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                f"Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS); --linear panels dequantises every weight "
+                f"to fp32 instead (about 4 bytes a weight)")
+        order = _unpermuted_order(t.name, config, out_features)
+        rows = np.arange(out_features) if order is None else order
+        row_bytes = int(t.n_bytes) // out_features
+        offsets = torch.from_numpy(int(t.data_offset) + rows.astype(np.int64) * row_bytes)
+        matrices[name] = GGUFMatrix([kind], [out_features], offsets, in_features, mapping)
+        if progress and (i + 1 == len(tensors) or i % 64 == 0):
+            show_progress(f"mapping {i + 1}/{len(tensors)} tensors "
+                          f"({time.perf_counter() - start:.1f}s)")
+    if progress:
+        progress_done()
+    return small, matrices
+
+
+def _dequantized(t, config: ModelConfig) -> torch.Tensor:
+    """A (small) tensor dequantised to fp32, q/k biases un-permuted."""
+    ne = [int(n) for n in t.shape]
+    rows = np.asarray(t.data).view(np.uint8).reshape(int(np.prod(ne[1:])), -1)
+    array = ops.dequantize_gguf(rows, t.tensor_type.name, ne[0]).numpy().reshape(
+        tuple(reversed(ne)))
+    order = _unpermuted_order(t.name, config, array.shape[0])
+    return torch.from_numpy(np.ascontiguousarray(array if order is None else array[order]))

@@ -3,9 +3,10 @@
 Read from the file's headers alone, before anything loads. A model that cannot fit is refused
 at start with both figures (`check_fits` raises MemoryError), instead of being killed by the OOM
 killer halfway through its load or at its first long request. The figures are what the loaded
-model keeps resident today (weights dequantized into the serving dtype, plus the forms the CPU
-kernels pack); the load's transient peak can exceed them, so a model that passes this check can
-still need headroom.
+model keeps resident today: a GGUF served in place (fp32 on the CPU extension) its file's tensor
+bytes, which the memory map pages in as they are read; otherwise the weights dequantized into the
+serving dtype, plus the forms the CPU kernels pack. The load's transient peak can exceed them, so
+a model that passes this check can still need headroom.
 
 What it is not: a limit on the KV pool's size (EngineConfig) or on anything that fits.
 """
@@ -30,15 +31,22 @@ class WeightBytes:
 
 
 def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> WeightBytes:
-    """The bytes the loaded model's weights will hold: every parameter in `dtype`, and on the CPU
-    the packed forms the kernels keep beside it (a tied lm_head's packed copy; bf16's second,
-    panel copy of every matrix; fp32's GGUF blocks for steps of few rows). `reader`: the GGUF's
-    open GGUFReader, when the caller has one (parsing the header costs ~2 s for SmolLM2)."""
+    """The bytes the loaded model's weights will hold: a GGUF served in place (fp32 on the CPU
+    extension, model/linear.py gguf_in_place) its tensors' bytes as the file stores them;
+    otherwise every parameter in `dtype` and, on the CPU, the packed forms the kernels keep
+    beside it (a tied lm_head's packed copy; bf16's second, panel copy of every matrix).
+    `reader`: the GGUF's open GGUFReader, when the caller has one (parsing the header costs
+    ~2 s for SmolLM2)."""
+    from freetoken.model.linear import gguf_in_place
+
     elem = torch.empty((), dtype=dtype).element_size()
     if path.is_file():
-        params, matrices, tied, lm_head, blocks = _gguf_counts(path, reader)
+        params, matrices, tied, lm_head, file_bytes = _gguf_counts(path, reader)
+        if gguf_in_place(dtype, device):
+            return WeightBytes(file_bytes, f"{params / 1e9:.2f}B parameters in the file's "
+                                           f"blocks, {file_bytes / GiB:.1f} GiB memory-mapped")
     else:
-        params, matrices, tied, lm_head, blocks = _safetensors_counts(path)
+        params, matrices, tied, lm_head, _ = _safetensors_counts(path)
     total, parts = params * elem, [f"{params / 1e9:.2f}B parameters in {_name(dtype)}"]
     if torch.device(device).type == "cpu":
         if tied:
@@ -47,9 +55,6 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> We
         if dtype != torch.float32:
             total += matrices * elem
             parts.append("a second (panel) copy of every matrix")
-        elif blocks:
-            total += blocks
-            parts.append(f"{blocks / GiB:.1f} GiB of GGUF blocks for decode steps")
     return WeightBytes(total, ", ".join(parts))
 
 
@@ -96,24 +101,21 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# (parameters, parameters in 2-D matrices, tied lm_head, lm_head parameters, GGUF block bytes
-# kept for decode)
+# (parameters, parameters in 2-D matrices, tied lm_head, lm_head parameters, the GGUF's tensor
+# bytes)
 Counts = tuple[int, int, bool, int, int]
 
 
 def _gguf_counts(path: Path, reader=None) -> Counts:
     from gguf import GGUFReader
 
-    from freetoken.model.linear import GGUF_BLOCK_TYPES
-
     tensors = (reader or GGUFReader(path)).tensors
     names = {t.name for t in tensors}
     params = sum(int(t.n_elements) for t in tensors)
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
     embed = next((int(t.n_elements) for t in tensors if t.name == "token_embd.weight"), 0)
-    blocks = sum(int(t.n_bytes) for t in tensors
-                 if len(t.shape) == 2 and t.tensor_type.name in GGUF_BLOCK_TYPES)
-    return params, matrices, "output.weight" not in names, embed, blocks
+    file_bytes = sum(int(t.n_bytes) for t in tensors)
+    return params, matrices, "output.weight" not in names, embed, file_bytes
 
 
 def _safetensors_counts(path: Path) -> Counts:

@@ -10,19 +10,19 @@
   * everywhere else: F.linear.
 All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a logit).
 
-Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
-  * fp32 weights that the GGUF file stores as Q4_1 / Q8_0 blocks (GGUFBlocks, from
-    freetoken/loader/gguf.py): the blocks packed into panels (ops.pack_gguf_panels,
-    csrc/linear/quant_linear_cpu.cpp), each weight dequantized in registers to exactly the fp32
-    value of the plain weight. A decode step then reads 80 MB of blocks instead of 425 MB of
-    fp32: its linears at 1 row 20.8 -> 5.9 ms, at 8 rows 20.0 -> 15.9 ms (2 threads); at 16
-    rows level;
-  * bf16 weights: panels next to oneDNN (below).
+A GGUF file's weights, fp32 on the CPU with freetoken._C, take none of these: they stay in the
+file's blocks where its read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py;
+ops.gguf_matrix, csrc/linear/gguf_linear.cpp), every step size computing with each weight decoded
+to exactly its dequantized fp32 value, fp32 FMAs in one summation order whatever the row count.
+No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB instead of ~5.
 
-The packed weight replaces the plain one: a panel tensor is 1-D (its header carries N, K and the
-dtype), a oneDNN one an opaque mkldnn tensor of the same shape.
-ops.configure(linear=...) chooses among them (A/B switches, a way out): "panels" skips the GGUF
-blocks, "onednn" the panels too, "torch" keeps F.linear.
+Steps of at most FEW_ROWS rows of a bf16 model take a second form (`few_rows`): panels next to
+oneDNN (below).
+
+The packed weight replaces the plain one: a panel tensor or a GGUF descriptor is 1-D (its header
+carries N, K and the format), a oneDNN one an opaque mkldnn tensor of the same shape.
+ops.configure(linear=...) chooses among them (A/B switches, a way out): "panels" dequantizes a
+GGUF's weights into fp32 panels instead, "onednn" skips the panels too, "torch" keeps F.linear.
 """
 
 from __future__ import annotations
@@ -38,27 +38,57 @@ from freetoken import ops
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-GGUF_BLOCK_TYPES = ops.GGUF_PANEL_TYPES  # ("Q4_1", "Q8_0")
-
-
 @dataclass(slots=True)
-class GGUFBlocks:
-    """A weight [out, in] as its GGUF file stores it: rows [out, in / 32 * block bytes] uint8 of
-    `type`. What the loader hands over next to the dequantized weight."""
+class GGUFMatrix:
+    """A weight [out, in] left in a GGUF file's blocks: row n's blocks at byte offsets[n] of
+    `mapping` (the file's read-only memory map, 1-D uint8), rows [ends[s - 1], ends[s]) of GGUF
+    type types[s]. What the loader hands over instead of an fp32 tensor."""
 
-    type: str
-    rows: torch.Tensor
+    types: list[str]
+    ends: list[int]
+    offsets: torch.Tensor  # int64 [out]
     in_features: int
+    mapping: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return int(self.offsets.numel())
 
     @staticmethod
-    def fuse(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
-        """The blocks of the weights concatenated along out (q/k/v, gate/up); None unless every
-        part has blocks of one type."""
-        if not parts or any(p is None for p in parts) or len({(p.type, p.in_features)
-                                                               for p in parts}) != 1:
+    def fuse(parts: list[GGUFMatrix | None]) -> GGUFMatrix | None:
+        """The weights concatenated along out (q/k/v, gate/up; their types may differ); None
+        unless every part is a GGUFMatrix of one mapping and in_features."""
+        if not parts or any(p is None for p in parts) or len(
+                {(id(p.mapping), p.in_features) for p in parts}) != 1:
             return None
-        rows = parts[0].rows if len(parts) == 1 else torch.cat([p.rows for p in parts])
-        return GGUFBlocks(parts[0].type, rows, parts[0].in_features)
+        types, ends, start = [], [], 0
+        for p in parts:
+            types += p.types
+            ends += [start + e for e in p.ends]
+            start += p.out_features
+        offsets = torch.cat([p.offsets for p in parts]) if len(parts) > 1 else parts[0].offsets
+        return GGUFMatrix(types, ends, offsets, parts[0].in_features, parts[0].mapping)
+
+    def pack(self) -> torch.Tensor:
+        """The descriptor panel_linear computes with (ops.gguf_matrix)."""
+        return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
+                               self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight in fp32, exactly their dequantized values (the embedding
+        lookup): only those rows' blocks are read."""
+        if len(self.types) != 1:
+            raise ValueError("GGUFMatrix.rows: a fused matrix has no single row format")
+        row_bytes = ops.gguf_row_bytes(self.types[0], self.in_features)
+        index = self.offsets.index_select(0, ids)[:, None] + torch.arange(row_bytes)
+        return ops.dequantize_gguf(self.mapping[index], self.types[0], self.in_features)
+
+
+def gguf_in_place(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True when a GGUF's weights of `dtype` on `device` stay in the file's blocks here (fp32 on
+    the CPU extension, linear "auto"); the loader dequantizes them otherwise."""
+    return ops.config().linear == "auto" and dtype == torch.float32 \
+        and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
 
 
 # NOTE: bf16 keeps a second form for few rows. oneDNN's AVX512-BF16 dot products run at twice the
@@ -73,13 +103,6 @@ def panels_available(weight: torch.Tensor) -> bool:
     """True when `weight`'s dtype and device have the panel kernel here (linear "auto" or
     "panels")."""
     return ops.config().linear in ("auto", "panels") and ops.panel_linear_available(weight)
-
-
-def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True when a weight of `dtype` on `device` takes its GGUF blocks as the few-rows form here
-    (fp32 on the CPU extension, linear "auto"); the loader reads the blocks only then."""
-    return ops.config().linear == "auto" and dtype == torch.float32 \
-        and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
@@ -109,32 +132,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> torch.Tensor | None:
-    """The second form, for steps of at most FEW_ROWS rows: the GGUF blocks of an fp32 weight
-    (`blocks`: the same values, so the same results), or panels of a bf16 weight whose main form
-    is oneDNN; None where the main form serves every row count."""
-    if blocks is not None and gguf_blocks_wanted(weight.dtype, weight.device):
-        if tuple(blocks.rows.shape[:1]) + (blocks.in_features,) != tuple(weight.shape):
-            raise ValueError(f"GGUF blocks of shape [{blocks.rows.shape[0]}, "
-                             f"{blocks.in_features}] for a weight {tuple(weight.shape)}")
-        return ops.pack_gguf_panels(blocks.rows, blocks.type, blocks.in_features)
+def pack_few_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """The second form, for steps of at most FEW_ROWS rows: panels of a bf16 weight whose main
+    form is oneDNN; None where the main form serves every row count."""
     if weight.dtype != torch.float32 and panels_available(weight) and _onednn_available(weight):
         return ops.pack_panels(weight.detach().contiguous())
     return None
 
 
-def few_rows_form(few_rows: torch.Tensor | None) -> str | None:
-    """What a few-rows form holds: "Q4_1" / "Q8_0" (GGUF blocks), "bf16 panels", or None."""
-    if few_rows is None:
-        return None
-    return ops.gguf_panel_type(few_rows) or "bf16 panels"
-
-
 def packed_form(weight: torch.Tensor) -> str:
-    """"panels", "onednn" or "plain"."""
+    """"gguf" (a GGUF descriptor), "panels", "onednn" or "plain"."""
     if weight.is_mkldnn:
         return "onednn"
-    return "panels" if weight.dim() == 1 else "plain"
+    if weight.dim() == 1:
+        return "gguf" if ops.is_gguf_matrix(weight) else "panels"
+    return "plain"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -159,17 +171,26 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.few_rows: torch.Tensor | None = None  # the form for few rows (pack_few_rows)
+        self.mapping: torch.Tensor | None = None  # a GGUF file's mapping, under a descriptor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.few_rows)
 
-    def pack(self, blocks: GGUFBlocks | None = None) -> bool:
-        """Replace the plain weight by its packed form(s), `blocks` (its GGUF blocks, if any)
-        for few rows; False where none is available."""
+    def pack(self, matrix: GGUFMatrix | None = None) -> bool:
+        """Replace the plain weight by its packed form(s), or by the descriptor of `matrix` (its
+        GGUF blocks in place: the weight was never loaded); False where none is available."""
+        if matrix is not None:
+            if (matrix.out_features, matrix.in_features) != (self.out_features,
+                                                              self.in_features):
+                raise ValueError(f"GGUF weight [{matrix.out_features}, {matrix.in_features}] "
+                                 f"for a layer [{self.out_features}, {self.in_features}]")
+            self.weight = nn.Parameter(matrix.pack(), requires_grad=False)
+            self.mapping = matrix.mapping  # the descriptor's addresses point into it
+            return True
         if packed_form(self.weight) != "plain":
             return True
         if not packing_available(self.weight):
             return False
-        self.few_rows = pack_few_rows(self.weight, blocks)
+        self.few_rows = pack_few_rows(self.weight)
         self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
         return True

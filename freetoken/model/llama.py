@@ -22,7 +22,7 @@ from freetoken.model.attention import AttentionMetadata, build_attention_metadat
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import (
     FEW_ROWS,
-    GGUFBlocks,
+    GGUFMatrix,
     Linear,
     linear,
     pack_few_rows,
@@ -30,6 +30,19 @@ from freetoken.model.linear import (
     packed_form,
     packing_available,
 )
+
+
+class GGUFEmbedding(nn.Module):
+    """The token embedding read row by row from its GGUF blocks (GGUFMatrix.rows): each looked-up
+    row is exactly its dequantized fp32 value, and no fp32 table exists."""
+
+    def __init__(self, matrix: GGUFMatrix):
+        super().__init__()
+        self.matrix = matrix
+        self.num_embeddings, self.embedding_dim = matrix.out_features, matrix.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows(ids)
 
 
 class RMSNorm(nn.Module):
@@ -178,7 +191,8 @@ class DecoderLayer(nn.Module):
         if c.qk_norm or not ops.decoder_layer_available(self.input_layernorm.weight):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        main = [p.weight if packed_form(p.weight) == "panels" else None for p in linears]
+        main = [p.weight if packed_form(p.weight) in ("panels", "gguf") else None
+                for p in linears]
         self.fused = ops.decoder_layer(
             self.input_layernorm.weight, self.post_attention_layernorm.weight, main,
             [p.few_rows for p in linears], [p.bias for p in linears],
@@ -225,10 +239,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU)
+        self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU),
+        # or the descriptor of the embedding's GGUF blocks
         self.lm_head_few_rows: torch.Tensor | None = None  # and its bf16 panels (pack_few_rows)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # rope()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's parameters', its norms included)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -238,8 +262,18 @@ class LlamaForCausalLM(nn.Module):
     def logits_width(self) -> int:
         """Columns of the lm_head (>= vocab_size when the checkpoint pads it)."""
         if self.lm_head is None:
-            return int(self.embed_tokens.weight.shape[0])
+            return int(self.embed_tokens.num_embeddings)
         return self.lm_head.out_features
+
+    def num_parameters(self) -> int:
+        """The weights' count, those left in GGUF blocks included (a descriptor's bytes are not
+        parameters)."""
+        n = sum(p.numel() for p in self.parameters() if not ops.is_gguf_matrix(p))
+        n += sum(m.in_features * m.out_features for m in self.modules()
+                 if isinstance(m, Linear) and ops.is_gguf_matrix(m.weight))
+        if isinstance(self.embed_tokens, GGUFEmbedding):
+            n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
+        return n
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
         """positions: [T] int64, all < num_positions -> cos, sin: [T, 1, hd] in `dtype`: rows of
@@ -280,9 +314,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] fp32
         if self.lm_head is not None:
-            return self.lm_head(hidden.to(self.embed_tokens.weight.dtype)).float()
+            return self.lm_head(hidden.to(self.dtype)).float()
         weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight
-        return linear(hidden.to(weight.dtype), weight, None, self.lm_head_few_rows).float()
+        return linear(hidden.to(self.dtype), weight, None, self.lm_head_few_rows).float()
 
     def projections(self):
         """(module, the HF weight names fused into its weight) of every projection."""
@@ -293,32 +327,34 @@ class LlamaForCausalLM(nn.Module):
             yield layer.mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
             yield layer.mlp.down_proj, [p + "mlp.down_proj.weight"]
 
-    def pack_linears(self, blocks: dict[str, GGUFBlocks] | None = None) -> str:
+    def pack_linears(self, matrices: dict[str, GGUFMatrix] | None = None) -> str:
         """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py),
-        with the GGUF blocks of their weights (`blocks`, HF names; consumed) as the form for few
-        rows where those serve. A tied lm_head gets its own packed copy (the embedding lookup
-        needs the plain rows): vocab x hidden more memory. Returns the form: "panels", "onednn",
-        or "plain" (nothing changed: packing is not available)."""
-        blocks = blocks if blocks is not None else {}
-        if not packing_available(self.embed_tokens.weight):
+        or give them the descriptors of their GGUF blocks in place (`matrices`, HF names;
+        consumed). A tied lm_head gets its own packed copy (the embedding lookup needs the plain
+        rows: vocab x hidden more memory), or the embedding's blocks' descriptor. Returns the
+        form: "gguf", "panels", "onednn", or "plain" (nothing changed: packing is not
+        available)."""
+        matrices = matrices if matrices is not None else {}
+        if not matrices and not packing_available(self.norm.weight):
             return "plain"
         for module, names in self.projections():
-            module.pack(GGUFBlocks.fuse([blocks.pop(n, None) for n in names]))
+            module.pack(GGUFMatrix.fuse([matrices.pop(n, None) for n in names]))
         if self.lm_head is not None:
-            self.lm_head.pack(blocks.pop("lm_head.weight", None))
+            self.lm_head.pack(matrices.pop("lm_head.weight", None))
+        elif isinstance(self.embed_tokens, GGUFEmbedding):
+            self.lm_head_packed = self.embed_tokens.matrix.pack()
         else:
             weight = self.embed_tokens.weight
             self.lm_head_packed = pack_weight(weight)
-            self.lm_head_few_rows = pack_few_rows(weight,
-                                                  blocks.pop("model.embed_tokens.weight", None))
-        blocks.clear()
+            self.lm_head_few_rows = pack_few_rows(weight)
+        matrices.clear()
         for layer in self.layers:
             layer.fuse()
         return packed_form(self.layers[0].self_attn.qkv_proj.weight)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KVCache shaped for this model, on its device and in its dtype."""
-        c, w = self.config, self.embed_tokens.weight
+        c = self.config
         return KVCache(
             c.num_layers,
             num_blocks,
@@ -326,18 +362,20 @@ class LlamaForCausalLM(nn.Module):
             c.num_kv_heads,
             c.head_dim,
             c.hidden_size,
-            w.dtype,
-            w.device,
+            self.dtype,
+            self.device,
         )
 
     @torch.no_grad()
     def load_weights(
-        self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+        self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
+        in_place: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         """Install HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...), fusing q/k/v
         and gate/up, on a model built on the meta device. Consumes `weights` (pops each tensor as
-        it is used, so peak memory stays near one copy of the model). Raises ValueError naming any
-        missing, unexpected or misshapen tensor."""
+        it is used, so peak memory stays near one copy of the model). `in_place`: the names whose
+        weights stay in GGUF blocks (pack_linears installs them; the embedding here is given
+        by the caller). Raises ValueError naming any missing, unexpected or misshapen tensor."""
         if self.lm_head is None:
             weights.pop("lm_head.weight", None)
 
@@ -358,9 +396,10 @@ class LlamaForCausalLM(nn.Module):
             value = value.to(device=device, dtype=dtype).contiguous()
             setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
-        put(self.embed_tokens, "weight", ["model.embed_tokens.weight"])
+        if "model.embed_tokens.weight" not in in_place:
+            put(self.embed_tokens, "weight", ["model.embed_tokens.weight"])
         put(self.norm, "weight", ["model.norm.weight"])
-        if self.lm_head is not None:
+        if self.lm_head is not None and "lm_head.weight" not in in_place:
             put(self.lm_head, "weight", ["lm_head.weight"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -378,7 +417,8 @@ class LlamaForCausalLM(nn.Module):
                 put(mlp.gate_up_proj, "bias", [p + f"mlp.{n}_proj.bias" for n in ("gate", "up")])
                 put(mlp.down_proj, "bias", [p + "mlp.down_proj.bias"])
         for module, names in self.projections():
-            put(module, "weight", names)
+            if names[0] not in in_place:
+                put(module, "weight", names)
         leftover = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(

@@ -6,7 +6,7 @@ pure-torch twin in the same module, one module per op family.
     sampling.py       sample_tokens, gumbel_noise (one torch implementation for every backend)
     attention.py      paged_attention over the KV pool (the twin: model/attention.py's SDPA path)
     elementwise.py    rms_norm, silu_mul, rope_ + twins
-    linear.py         panel linear over packed fp32 / bf16 / GGUF-block weights (no twin)
+    linear.py         panel linear over packed fp32 / bf16 weights or GGUF descriptors (no twin)
     gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package), and
                       the block-resident weight descriptor (gguf_matrix) for panel_linear
     decoder_layer.py  one Llama decoder layer as one C++ call
@@ -35,12 +35,10 @@ from freetoken.ops.gguf import (
     gguf_dequantize_available,
     gguf_matrix,
     gguf_matrix_available,
+    gguf_row_bytes,
     is_gguf_matrix,
 )
 from freetoken.ops.linear import (
-    GGUF_PANEL_TYPES,
-    gguf_panel_type,
-    pack_gguf_panels,
     pack_panels,
     panel_linear,
     panel_linear_available,
@@ -50,12 +48,11 @@ from freetoken.ops.sampling import gumbel_noise, sample_tokens
 from freetoken.ops.topk import MAX_K, topk_logprobs
 
 __all__ = [
-    "BACKENDS", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K", "OpsConfig",
+    "BACKENDS", "CPU_ISAS", "LINEAR_MODES", "MAX_K", "OpsConfig",
     "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
     "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
-    "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_panel_type",
-    "is_gguf_matrix",
-    "gumbel_noise", "pack_gguf_panels", "pack_panels", "paged_attention",
+    "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_row_bytes",
+    "gumbel_noise", "is_gguf_matrix", "pack_panels", "paged_attention",
     "paged_attention_available", "panel_linear", "panel_linear_available", "panel_shape",
     "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs",
 ]

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # that lacks one is stale, and loading it is an error rather than a silent fallback.
 _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "add_rms_norm",
               "silu_mul", "rope_", "cuda_compiled", "cpu_isa", "set_cpu_isa", "set_pool_poll_us",
-              "panel_pack", "gguf_pack", "panel_shape", "panel_linear", "DecoderLayer",
+              "panel_pack", "gguf_matrix", "panel_shape", "panel_linear", "DecoderLayer",
               "gguf_dequantize", "gguf_dequantize_types")
 
 try:

@@ -32,7 +32,7 @@ def decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor,
     panel_linear, rope_, paged_attention and silu_mul in DecoderLayer.forward's order, with the
     same results. weights / few_rows / biases: 4 each (qkv, o, gate_up, down),
     None where absent: the main forms from pack_panels (None where the main form is not panels),
-    the forms for steps of at most few_rows_max rows (pack_gguf_panels, bf16 pack_panels).
+    the forms for steps of at most few_rows_max rows (bf16 pack_panels).
     -> an object with .serves(rows) -> bool and .forward(x, residual, cos, sin, k_cache,
     v_cache, block_tables, seq_lens, query_start_loc, slot_mapping) -> (out, residual), the
     arguments as for the ops it chains. Raises ValueError on misshapen weights."""

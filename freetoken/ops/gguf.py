@@ -74,6 +74,14 @@ def gguf_matrix(base: torch.Tensor, row_offsets: torch.Tensor, types: list[str],
                           [int(e) for e in ends], int(in_features))
 
 
+def gguf_row_bytes(type: str, in_features: int) -> int:  # noqa: A002
+    """Bytes of one row of `in_features` weights of GGUF type `type`."""
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type]]
+    return in_features // block * nbytes
+
+
 def is_gguf_matrix(weight: torch.Tensor) -> bool:
     """True for a descriptor from gguf_matrix (a 1-D uint8 tensor with its magic)."""
     return (weight.dtype == torch.uint8 and weight.dim() == 1 and weight.numel() >= 64

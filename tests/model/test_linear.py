@@ -123,14 +123,22 @@ def test_model_logits_same_in_every_form(tiny_checkpoint, ops_config):
 
 
 @needs_panels
-def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
+def test_smollm2_weights_stay_in_the_files_blocks(smollm2_fp32):
+    """fp32 GGUF on the CPU: every projection, the tied lm_head and the embedding read the
+    file's memory map in place; the logits are those of the dequantized weights."""
+    from freetoken.model.llama import GGUFEmbedding
+
     m = smollm2_fp32.model
-    assert packed_form(m.layers[0].mlp.down_proj.weight) == "panels"
-    assert m.lm_head is None and packed_form(m.lm_head_packed) == "panels"
-    assert m.logits_width == 49152
+    assert packed_form(m.layers[0].mlp.down_proj.weight) == "gguf"
+    assert m.lm_head is None and packed_form(m.lm_head_packed) == "gguf"
+    assert isinstance(m.embed_tokens, GGUFEmbedding) and m.logits_width == 49152
+    table = m.embed_tokens.matrix
+    weight = ops.dequantize_gguf(table.mapping[table.offsets[:, None] + torch.arange(
+        ops.gguf_row_bytes(table.types[0], table.in_features))], table.types[0], 576)
+    ids = torch.tensor([0, 5, 49151, 5])
+    assert torch.equal(m.embed_tokens(ids), weight[ids])
     h = torch.randn(3, m.config.hidden_size)
-    torch.testing.assert_close(m.compute_logits(h), F.linear(h, m.embed_tokens.weight),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(m.compute_logits(h), F.linear(h, weight), atol=1e-4, rtol=1e-5)
 
 
 @needs_panels
