@@ -7,6 +7,8 @@ end of its context, whose full length after this step is seq_lens[s] (cached + n
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,18 @@ class ForwardBatch:
         return len(self.seq_lens)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On the CPU it lies in fresh anonymous memory, zero by the kernel's promise and
+    resident only once written: the pool's untouched blocks cost no RAM (torch.zeros wrote all
+    512 MiB of the default pool at start, most of a small model's peak RSS)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
+
+
 class KVCache:
     """The paged KV pool plus the final hidden state of every cached token.
 
@@ -45,9 +59,9 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.hidden = torch.zeros(num_blocks * block_size, hidden_size, dtype=dtype, device=device)
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.hidden = _zeros((num_blocks * block_size, hidden_size), dtype, device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
