@@ -65,6 +65,28 @@ def systems_for(threads: int) -> list[System]:
     ]
 
 
+TRANSFORMERS_SKIP = ("the file is scripts/make_gguf.py's synthetic one: transformers would "
+                     "dequantize every tensor to fp32 on load (at 8B ~30 GB, more than this "
+                     "machine has) to score random blocks whose logits mean nothing")
+
+
+def model_info(gguf: str, default_gguf: str) -> dict:
+    """What a run serves: the file's general.name and size, whether it is a synthetic file of
+    scripts/make_gguf.py (its general.name starts "synthetic ") and whether it is the default
+    model `default_gguf` (the SmolLM2 whose table and README figures only its own runs write)."""
+    from gguf import GGUFReader
+    field = GGUFReader(gguf).fields.get("general.name")
+    name = field.contents() if field is not None else None
+    default = os.path.exists(default_gguf) and os.path.samefile(gguf, default_gguf)
+    return {"name": name, "file_bytes": os.path.getsize(gguf), "default": default,
+            "synthetic": bool(name and name.startswith("synthetic "))}
+
+
+def skip_reason(system: System, model: dict) -> str | None:
+    """Why `system` is not run on `model` (model_info's), or None."""
+    return TRANSFORMERS_SKIP if system.kind == "transformers" and model["synthetic"] else None
+
+
 def server_command(system: System, gguf: str, port: int, llama_exe: str | None,
                    llama_ctx: int) -> list[str]:
     """The command line that starts `system` as a server on `port`."""
