@@ -127,6 +127,8 @@ def report_of(resdir: str) -> peer_report.Report:
 
 def result_dirs(root: str) -> list[str]:
     """`root` and each folder below it that holds a run's meta.jsonl, `root` first."""
+    if not os.path.isdir(root):
+        return []
     subs = sorted(os.path.join(root, d) for d in os.listdir(root)
                   if os.path.isfile(os.path.join(root, d, "meta.jsonl")))
     return ([root] if os.path.isfile(os.path.join(root, "meta.jsonl")) else []) + subs
