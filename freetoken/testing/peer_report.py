@@ -252,19 +252,20 @@ class Report:
     def memory(self) -> dict:
         """{system: {"runs", "peak_rss_mib" (median over every run), "peak_rss_max_mib",
         "ready_s" (median)}} of each server, and "llama-server": every run of its column's
-        rows together (memory and start do not depend on its thread count)."""
+        rows together (memory and start do not depend on its thread count), when there are
+        two or more such rows."""
         groups: dict = {}
         for r in self.recs:
-            if r.get("peak_rss_mib") is None and r.get("ready_s") is None:
-                continue
-            groups.setdefault(r["system"], []).append(r)
-            if r.get("column") == PEER:
-                groups.setdefault(PEER, []).append(r)
+            if r.get("peak_rss_mib") is not None or r.get("ready_s") is not None:
+                groups.setdefault(r["system"], []).append(r)
+        peers = [r for rs in groups.values() for r in rs if rs[0].get("column") == PEER]
+        if len({r["system"] for r in peers}) > 1:
+            groups[PEER] = peers
         out = {}
         for name, rs in groups.items():
             rss = [r["peak_rss_mib"] for r in rs if r.get("peak_rss_mib") is not None]
             ready = [r["ready_s"] for r in rs if r.get("ready_s") is not None]
-            out[name] = {"runs": len(rs),
+            out[name] = {"runs": len(rs), "column": rs[0].get("column"),
                          "peak_rss_mib": statistics.median(rss) if rss else None,
                          "peak_rss_max_mib": max(rss) if rss else None,
                          "ready_s": statistics.median(ready) if ready else None}
@@ -275,10 +276,11 @@ class Report:
         mem = self.memory()
         lines = []
         if any(v["peak_rss_mib"] is not None for v in mem.values()):
-            peer = mem.get(PEER, {})
+            peer = mem.get(PEER) or next((v for v in mem.values() if v["column"] == PEER), {})
             lines += ["Peak RSS (VmHWM of the server process and any child, read just before it "
                       "stopped) and time to ready (start to the first 200 from /health), per "
-                      "system over all its runs; `llama-server` pools its column's rows.", "",
+                      "system over all its runs; a `llama-server` row pools its thread counts' "
+                      "rows.", "",
                       "| system | runs | peak RSS MiB, median | max | ready in s, median | "
                       "RSS vs llama-server | ready vs llama-server |",
                       "|---|---:|---:|---:|---:|---:|---:|"]

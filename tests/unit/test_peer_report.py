@@ -93,13 +93,19 @@ def test_the_table_shows_peak_rss_and_ready_per_row_and_per_system():
     assert cells[cols.index("ready in s")] == "31.0"        # median of 30 and 32
     assert cells[cols.index("peak RSS MiB")] == "5300"      # median of 5000 and 5600
     mem = report.memory()
-    assert mem["freetoken-fp32"] == {"runs": 3, "peak_rss_mib": 5200.0,
-                                     "peak_rss_max_mib": 5600.0, "ready_s": 31.0}
+    assert mem["freetoken-fp32"] == {"runs": 3, "column": "freetoken-fp32",
+                                     "peak_rss_mib": 5200.0, "peak_rss_max_mib": 5600.0,
+                                     "ready_s": 31.0}
     # llama-server pools its column's rows, whatever the thread count
     assert mem["llama-server"]["peak_rss_mib"] == 1500.0
     assert mem["llama-server"]["ready_s"] == pytest.approx(1.6)
     row = next(x for x in text.splitlines() if x.startswith("| freetoken-fp32 | 3 |"))
     assert row == "| freetoken-fp32 | 3 | 5200 | 5600 | 31.0 | 3.47x | 19.38x |"
+    # one llama-server row is its own pool: no second row for it
+    one = pr.Report([r for r in recs if r["system"] != "llama-server-t1"], None, {}, meta, 60.0)
+    assert "llama-server" not in one.memory()
+    assert "| freetoken-fp32 | 3 | 5200 | 5600 | 31.0 | 3.35x | 18.24x |" in \
+        one.render(["decode"])
     assert "Not run: `transformers`, it cannot" in text
     assert "Did not start: `freetoken-bf16` (decode, rep 0): MemoryError" in text
     assert text.endswith("![requests/s and tokens/s per system](bench/x/benchmarks.png)")
