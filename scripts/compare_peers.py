@@ -371,10 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         dest = peer_docs.destination(args.docs, args.gguf, model["default"], meta)
         log(f"raw results of this run in {peer_docs.keep_raw(resdir, dest.raw_dir)}")
         report.plot(dest.plot)
-        peer_docs.write_between(
-            os.path.join(args.docs, "benchmarks.md"), dest.markers,
-            report.render(args.workloads, plot=dest.plot_link), dest.heading,
-            peer_docs.section_intro(peer_docs.model_stem(args.gguf), meta))
+        text = report.render(args.workloads, plot=dest.plot_link)
+        if dest.heading:
+            text = f"{peer_docs.section_intro(peer_docs.model_stem(args.gguf), meta)}\n\n{text}"
+        peer_docs.write_between(os.path.join(args.docs, "benchmarks.md"), dest.markers, text,
+                                dest.heading)
         if dest.readme:
             peer_docs.write_between(os.path.join(ROOT, "README.md"), peer_docs.README_MARKERS,
                                     report.readme_summary())

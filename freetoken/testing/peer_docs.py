@@ -63,7 +63,8 @@ def destination(docs: str, gguf: str, default_model: bool, meta: dict) -> Destin
 
 
 def section_intro(stem: str, meta: dict) -> str:
-    """The lines under a new at-size section's heading, before its results markers."""
+    """The paragraph above an at-size section's table (between its markers: each run writes
+    its own command line)."""
     argv = " ".join(meta.get("argv") or ["scripts/compare_peers.py"])
     text = (f"`python3 {argv}`; raw lines and plot in [docs/bench/{stem}/](bench/{stem}/), the "
             f"table again with `python3 scripts/compare_peers.py --report docs/bench/{stem}`.")
@@ -76,10 +77,10 @@ def section_intro(stem: str, meta: dict) -> str:
 
 
 def write_between(path: str, markers: tuple[str, str], text: str,
-                  heading: str | None = None, intro: str = "") -> None:
+                  heading: str | None = None) -> None:
     """Replace what stands between `markers` in the file at `path`. Without them: a new section
-    (`heading`, `intro`, the markers) before the file's "## History" (appended where it has
-    none), or, without a heading, the markers appended."""
+    (`heading`, the markers) before the file's "## History" (appended where it has none), or,
+    without a heading, the markers appended."""
     begin, end = markers
     old = open(path).read() if os.path.exists(path) else ""
     block = f"{begin}\n{text}\n{end}"
@@ -90,7 +91,7 @@ def write_between(path: str, markers: tuple[str, str], text: str,
     elif heading is None:
         new = f"{old}\n{block}\n"
     else:
-        section = f"{heading}\n\n" + (f"{intro}\n\n" if intro else "") + f"{block}\n"
+        section = f"{heading}\n\n{block}\n"
         if NEXT_SECTION in old:
             a, b = old.split(NEXT_SECTION, 1)
             new = f"{a.rstrip()}\n\n{section}{NEXT_SECTION}{b}"

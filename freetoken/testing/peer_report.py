@@ -432,7 +432,7 @@ class Report:
                         va="bottom", fontsize=8)
             ax.margins(y=0.15)
         m = self.meta
-        fig.suptitle(f"{model_title(m)}, {m['threads']} cores, {m['cpu']}, "
+        fig.suptitle(f"{model_title(m)}\n{m['threads']} cores, {m['cpu']}, "
                      f"median of {m['reps']} interleaved reps ({m['started']})", fontsize=10)
         fig.tight_layout()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

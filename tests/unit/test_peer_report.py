@@ -206,12 +206,12 @@ def test_a_synthetic_model_gets_its_own_section_and_folder(tmp_path, tiny_q4_k_m
     page.write_text("# B\n\n## Results\n\n<!-- results:begin -->\nsmol\n<!-- results:end -->\n"
                     "\n## History\n\nold\n")
     intro = pd.section_intro("llama-3.2-1b.Q4_K_M", meta)
-    pd.write_between(str(page), dest.markers, "run 1", dest.heading, intro)
-    pd.write_between(str(page), dest.markers, "run 2", dest.heading, intro)
+    assert "random but valid blocks" in intro and "--model m.gguf" in intro
+    pd.write_between(str(page), dest.markers, "run 1", dest.heading)
+    pd.write_between(str(page), dest.markers, "run 2", dest.heading)
     text = page.read_text()
     assert text.count(dest.heading) == 1 and "run 1" not in text and "run 2" in text
     assert text.index("smol") < text.index(dest.heading) < text.index("## History")
-    assert "random but valid blocks" in text
     pd.write_between(str(page), default.markers, "smol 2")
     assert "smol 2" in page.read_text() and "run 2" in page.read_text()
 
