@@ -5,7 +5,6 @@ model other than SmolLM2 writes. The runs themselves are tests/server/test_loadg
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -14,12 +13,11 @@ import pytest
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from freetoken.testing import gguf_costs as cb
 from freetoken.testing import gguf_files
 from freetoken.testing import peer_docs as pd
 from freetoken.testing import peer_report as pr
 from freetoken.testing import peers as cp
-
-ROOT = Path(__file__).resolve().parents[2]
 
 STATUS = """Name:\tllama-server
 Umask:\t0022
@@ -111,18 +109,6 @@ def test_the_table_shows_peak_rss_and_ready_per_row_and_per_system():
     assert text.endswith("![requests/s and tokens/s per system](bench/x/benchmarks.png)")
 
 
-def load_compute_bound():
-    """scripts/compute_bound.py as a module (it sets OMP_WAIT_POLICY if unset: put it back)."""
-    before = os.environ.get("OMP_WAIT_POLICY")
-    spec = importlib.util.spec_from_file_location("compute_bound",
-                                                  ROOT / "scripts" / "compute_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if before is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tiny_q4_k_m(tmp_path_factory) -> str:
     """A tiny Llama in Q4_K_M's layout (Q4_K; Q6_K for the output and for layer 1's attn_v and
@@ -143,7 +129,6 @@ def tiny_q4_k_m(tmp_path_factory) -> str:
 
 
 def test_bytes_per_step_count_the_files_own_k_quant_blocks(tiny_q4_k_m):
-    cb = load_compute_bound()
     s = cb.model_shape(tiny_q4_k_m)
     h, f, kv, v = 256, 512, 128, 256  # tiny: hidden, ffn, kv heads x head dim, vocabulary
 
