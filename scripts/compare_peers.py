@@ -34,11 +34,8 @@ What it does:
     ~/.cache/freetoken-peers/results/<timestamp>/, with the server logs). A run with --model
     on another file writes neither the SmolLM2 table nor the README: its table goes into its own
     section of docs/benchmarks.md ("## At size: <model>", markers keyed by the file's stem), its
-    raw lines and plot into docs/bench/<stem>/ (freetoken/testing/peer_docs.py).
-
-At size: `--model ~/.cache/freetoken-models/llama-3.1-8b.Q4_K_M.gguf --classify-n 32 --systems
-freetoken-fp32 llama-server-t1 llama-server-t2` (files of scripts/make_gguf.py, whose synthetic
-blocks transformers is not run on: peers.skip_reason says why).
+    raw lines and plot into docs/bench/<stem>/ (freetoken/testing/peer_docs.py). transformers
+    is not run on scripts/make_gguf.py's synthetic files (peers.skip_reason says why).
 
 A peer's table cell is the best of its variants (llama-server: -t 1 or -t 2; transformers: either
 thread setting); every variant has its own row in docs/benchmarks.md. The llama-cpp-python Python
