@@ -21,7 +21,9 @@ What it does:
  4. starts every server fresh for every run (no prompt cache carried from one rep to the next)
     and runs the workloads of freetoken/testing/workloads.py against it, interleaved: rep 0
     runs A B C, rep 1 C B A, ... so drift of the shared machine hits all alike; the load average
-    is recorded before every run, the server's time to ready with it;
+    is recorded before every run, the server's time to ready with it, and its peak RSS (VmHWM,
+    read just before it is stopped); a server that does not start (a model it refuses) is
+    noted in the table and the run goes on;
  5. measures the machine's bounds (scripts/compute_bound.py: after the runs, and the GEMM peak
     and read bandwidth again right before each FreeToken fp32 run, whose ratio to its own
     moment's bound is the bound row), and the logprob drift of every system against FreeToken
@@ -29,7 +31,11 @@ What it does:
  6. writes the table into docs/benchmarks.md between its results markers, the plot into
     docs/benchmarks.png, the headline numbers into README.md between its bench markers, and the
     raw JSON lines of the run into docs/bench/ (with --no-docs: only under
-    ~/.cache/freetoken-peers/results/<timestamp>/, with the server logs).
+    ~/.cache/freetoken-peers/results/<timestamp>/, with the server logs). A run with --model
+    on another file writes neither the SmolLM2 table nor the README: its table goes into its own
+    section of docs/benchmarks.md ("## At size: <model>", markers keyed by the file's stem), its
+    raw lines and plot into docs/bench/<stem>/ (freetoken/testing/peer_docs.py). transformers
+    is not run on scripts/make_gguf.py's synthetic files (peers.skip_reason says why).
 
 A peer's table cell is the best of its variants (llama-server: -t 1 or -t 2; transformers: either
 thread setting); every variant has its own row in docs/benchmarks.md. The llama-cpp-python Python
@@ -44,14 +50,13 @@ import glob
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import time
 
 from freetoken.cluster import free_port
-from freetoken.testing import loadgen, peer_report
+from freetoken.testing import loadgen, peer_docs, peer_report, peers
 from freetoken.testing.peers import System, server_command, systems_for
 from freetoken.testing.process import ServerProcess
 
@@ -166,8 +171,9 @@ def machine_speed(args) -> dict | None:
     return out
 
 
-def run_server_once(args, system: System, wl: str, rep: int, resdir: str) -> dict:
-    """Start `system` fresh, run one rep of workload `wl` against it, stop it."""
+def run_server_once(args, system: System, wl: str, rep: int, resdir: str) -> dict | None:
+    """Start `system` fresh, run one rep of workload `wl` against it, read its peak RSS, stop
+    it. None when it does not start (noted in args.failed)."""
     extra = {"system": system.name, "column": system.column, "rep": rep}
     if system.name == BOUND_SYSTEM and wl in BOUND_WORKLOADS:
         extra["machine"] = machine_speed(args)  # before the start: nothing else runs
@@ -177,14 +183,23 @@ def run_server_once(args, system: System, wl: str, rep: int, resdir: str) -> dic
                            log_path=os.path.join(resdir, f"{system.name}-{wl}-rep{rep}.log"))
     log(f"start {system.name}: {' '.join(cmd)}")
     try:
-        server.start(timeout_s=300)
+        try:
+            server.start(timeout_s=300)
+        except RuntimeError as e:  # e.g. FreeToken refusing a model that cannot fit
+            reason = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))
+            log(f"{system.name} did not start: {reason}")
+            args.failed.append({"system": system.name, "workload": wl, "rep": rep,
+                                "reason": reason[-400:]})
+            return None
         extra["ready_s"] = round(server.ready_s, 2)
         dump = os.path.join(resdir, f"dump-{system.name}-{wl}.jsonl") \
             if rep == 0 and wl.startswith("classify") else None
         flavor = "llama-server" if system.kind == "llama-server" else "openai"
         # the same seed every rep: each server starts with an empty cache anyway
-        return loadgen.run_once(server.url, wl, n=args.n_for[wl], flavor=flavor,
-                                label=system.name, seed=0, warmup=2, dump=dump, extra=extra)
+        rec = loadgen.run_once(server.url, wl, n=args.n_for[wl], flavor=flavor,
+                               label=system.name, seed=0, warmup=2, dump=dump, extra=extra)
+        rec["peak_rss_mib"] = peers.peak_rss_mib(server.pid)  # just before the stop: the whole run
+        return rec
     finally:
         server.stop(timeout_s=20)
 
@@ -223,7 +238,7 @@ def run_all(args, systems: list[System], resdir: str) -> list[dict]:
                 if system.kind == "transformers":
                     got = run_transformers(args, system, wl, rep, resdir)
                 else:
-                    got = [run_server_once(args, system, wl, rep, resdir)]
+                    got = [r for r in [run_server_once(args, system, wl, rep, resdir)] if r]
                 for r in got:
                     if r.get("errors"):
                         log(f"{r['system']} {wl}: {r['errors']} errors, first: "
@@ -250,19 +265,6 @@ def machine_bounds(args, resdir: str) -> dict | None:
     with open(os.path.join(resdir, "bounds.jsonl"), "a") as f:
         f.write(json.dumps(bounds) + "\n")
     return bounds
-
-
-def keep_raw(resdir: str, docs: str) -> str:
-    """Copy the run's small raw files (runs, bounds, meta, the classify dumps) into docs/bench/,
-    replacing the last run's: every table cell can be re-derived from them."""
-    dest = os.path.join(docs, "bench")
-    shutil.rmtree(dest, ignore_errors=True)
-    os.makedirs(dest)
-    for path in glob.glob(os.path.join(resdir, "*.jsonl")) + \
-            [os.path.join(resdir, "table.md")]:
-        if os.path.exists(path):
-            shutil.copy(path, dest)
-    return dest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,17 +298,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default=os.path.join(ROOT, "docs"))
     ap.add_argument("--no-docs", action="store_true", help="print the table, write nothing")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 1 rep, 24 classify, 4x16-token decode")
+                    help="a smoke run: 1 rep, 24 classify, 4 x 128-token decode (a size "
+                         "given beside it stays)")
     ap.add_argument("--report", metavar="DIR", default=None,
                     help="run nothing: print the table of the raw results in DIR (docs/bench, "
                          "or a results folder)")
     args = ap.parse_args(argv)
     if args.report:
-        print(report_of(args.report).render(args.workloads))
+        if not peer_docs.result_dirs(args.report):
+            ap.error(f"--report {args.report}: no meta.jsonl there or in a folder below it")
+        for i, folder in enumerate(peer_docs.result_dirs(args.report)):
+            report = peer_docs.report_of(folder)
+            if i:
+                print(f"\n## {peer_report.model_title(report.meta)} ({folder})\n")
+            print(report.render(args.workloads))
         return 0
-    if args.quick:
-        args.reps, args.classify_n, args.transformers_n = 1, 24, 16
-        args.decode_n, args.decode1_n = 4, 1
+    if args.quick:  # its sizes, but for one given on the command line (--classify-n 32)
+        quick = {"reps": 1, "classify_n": 24, "transformers_n": 16, "decode_n": 4,
+                 "decode1_n": 1}
+        for name, value in quick.items():
+            if getattr(args, name) == ap.get_default(name):
+                setattr(args, name, value)
     known = {s.name: s for s in systems_for(args.threads)}
     unknown = sorted(set(args.systems or ()) - set(known))
     if unknown:
@@ -317,7 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     install(args.skip_install)
-    args.gguf = os.path.abspath(args.model or default_gguf())
+    args.gguf = os.path.abspath(os.path.expanduser(args.model or default_gguf()))
+    model = peers.model_info(args.gguf, default_gguf())
+    skipped = {s.name: peers.skip_reason(s, model) for s in systems
+               if peers.skip_reason(s, model)}
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
+    systems = [s for s in systems if s.name not in skipped]
+    args.failed = []
     args.llama_exe = None
     if any(s.kind == "llama-server" for s in systems):
         args.llama_exe = build_llama_server(args.build_jobs)
@@ -325,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(resdir, exist_ok=True)
     log(f"results in {resdir}")
     meta = {"started": started, "argv": sys.argv, "cpu": _cpu(), "nproc": os.cpu_count(),
-            "gguf": os.path.basename(args.gguf), "llama_server": args.llama_exe,
+            "gguf": os.path.basename(args.gguf), "model": model, "llama_server": args.llama_exe,
             "commit": _commit(), "reps": args.reps, "threads": args.threads,
             "systems": {s.name: {"column": s.column, "args": list(s.args),
                                  "env_set": dict(s.env_set)} for s in systems}}
@@ -337,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     bounds = machine_bounds(args, resdir)
     took = time.time() - t_start
     meta["took_s"] = round(took, 1)
+    meta["skipped"], meta["failed"] = skipped, args.failed
     with open(os.path.join(resdir, "meta.jsonl"), "w") as f:
         f.write(json.dumps(meta) + "\n")
     report = peer_report.Report(recs, bounds, peer_report.drift(resdir), meta, took)
@@ -345,24 +365,19 @@ def main(argv: list[str] | None = None) -> int:
         f.write(table + "\n")
     print(table)
     if not args.no_docs:
-        report.plot(os.path.join(args.docs, "benchmarks.png"))
-        peer_report.write_between(os.path.join(args.docs, "benchmarks.md"),
-                                  peer_report.RESULTS_MARKERS, table)
-        peer_report.write_between(os.path.join(ROOT, "README.md"), peer_report.README_MARKERS,
-                                  report.readme_summary())
-        log(f"raw results of this run in {keep_raw(resdir, args.docs)}")
+        dest = peer_docs.destination(args.docs, args.gguf, model["default"], meta)
+        log(f"raw results of this run in {peer_docs.keep_raw(resdir, dest.raw_dir)}")
+        report.plot(dest.plot)
+        text = report.render(args.workloads, plot=dest.plot_link)
+        if dest.heading:
+            text = f"{peer_docs.section_intro(peer_docs.model_stem(args.gguf), meta)}\n\n{text}"
+        peer_docs.write_between(os.path.join(args.docs, "benchmarks.md"), dest.markers, text,
+                                dest.heading)
+        if dest.readme:
+            peer_docs.write_between(os.path.join(ROOT, "README.md"), peer_docs.README_MARKERS,
+                                    report.readme_summary())
     log(f"done in {took / 60:.1f} min; raw results and server logs in {resdir}")
     return 0
-
-
-def report_of(resdir: str) -> peer_report.Report:
-    """The report of the raw results a run left in `resdir` (docs/bench/ keeps the last)."""
-    def lines(name):
-        path = os.path.join(resdir, name)
-        return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
-    bounds, meta = lines("bounds.jsonl"), lines("meta.jsonl")
-    return peer_report.Report(lines("runs.jsonl"), bounds[-1] if bounds else None,
-                              peer_report.drift(resdir), meta[-1], meta[-1].get("took_s", 0.0))
 
 
 def _cpu() -> str:

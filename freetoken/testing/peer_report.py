@@ -5,7 +5,12 @@ A record is one bench_serve run (or one transformers mode) of one system on one 
 shown). A column's figure is its best row's median over reps. Bounds are stated against the work
 each system actually does: classify against the fp32 FLOPs of the tokens FreeToken computed,
 decode against the bytes each system reads per step (its weights as its decode steps read them,
-and the KV) and against the fp32 FLOPs of a token; the bound is the lower of the two.
+and the KV) and against the fp32 FLOPs of a token; the bound is the lower of the two. Every
+server run also carries its peak RSS and its time to ready: per row, and per system over all its
+runs against llama-server's.
+
+NOTE: over the ~400 lines of STYLE.md: the table, the ratio rows, the bounds text and the plot
+all read the same medians and best rows, and split apart they would pass them around.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ import json
 import os
 import statistics
 
-RESULTS_MARKERS = ("<!-- results:begin -->", "<!-- results:end -->")
-README_MARKERS = ("<!-- bench:begin -->", "<!-- bench:end -->")
 STREAMS = {"decode": 8, "decode-1": 1}
 REF = "freetoken-fp32"
 PEER = "llama-server"  # the column every ratio is taken against
@@ -40,6 +43,7 @@ def medians(recs: list[dict]) -> dict:
                     "output_tokens_per_s": med("output_tokens_per_s"),
                     "latency_p50_s": med("latency_p50_s"), "latency_p99_s": med("latency_p99_s"),
                     "ttft_p50_s": med("ttft_p50_s"), "ready_s": med("ready_s"),
+                    "peak_rss_mib": med("peak_rss_mib"),
                     "cached_tokens_frac": med("cached_tokens_frac"),
                     "errors": sum(r.get("errors", 0) for r in rs),
                     "loadavg": [r["loadavg_before"][0] for r in rs],
@@ -153,6 +157,18 @@ def drift(resdir: str) -> dict:
 # the report
 # ---------------------------------------------------------------------------------------------
 
+def model_title(meta: dict) -> str:
+    """The model a run served, for headings: "Llama-3.2-1B-shaped Q4_K_M (synthetic)" for a
+    file of scripts/make_gguf.py (its general.name "synthetic <shape> <mix>"), else its file."""
+    name = (meta.get("model") or {}).get("name") or ""
+    if name.startswith("synthetic "):
+        shape, mix = name.split()[1:3]
+        words = shape.split("-")
+        words = [words[0].capitalize(), *words[1:-1], words[-1].upper()]
+        return f"{'-'.join(words)}-shaped {mix.upper()} (synthetic)"
+    return meta.get("gguf", "the model")
+
+
 def _f(x, nd=2):
     return "–" if x is None else f"{x:.{nd}f}"
 
@@ -179,9 +195,11 @@ class Report:
         b = self.best.get((wl, PEER))
         return b[1][metric(wl)] if b else None
 
-    def render(self, workloads: list[str]) -> str:
+    def render(self, workloads: list[str], plot: str = "benchmarks.png") -> str:
+        """The run's tables in markdown; `plot`: the plot's path from where the text goes."""
         m = self.meta
-        lines = [f"Run {m['started']} of `{m.get('commit')}`, {self.took_s / 60:.1f} min, "
+        lines = [f"Run {m['started']} of `{m.get('commit')}` on `{m.get('gguf')}`, "
+                 f"{self.took_s / 60:.1f} min, "
                  f"{m['reps']} interleaved reps, every server started fresh for every run. "
                  "FreeToken runs with `OMP_WAIT_POLICY=PASSIVE` (what `scripts/serve` sets); "
                  "llama-server and transformers with their default environment (no `OMP_*` or "
@@ -189,9 +207,9 @@ class Report:
                  "the load average (1 min) was read before each run. A peer's ratio column is "
                  "against the best llama-server row of the workload.", ""]
         lines += ["| workload | system | req/s | output tok/s | p50 latency s | p99 latency s | "
-                  "TTFT p50 s | cached prompt | ready in s | vs llama-server | per rep | "
-                  "load avg before runs |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "TTFT p50 s | cached prompt | ready in s | peak RSS MiB | vs llama-server | "
+                  "per rep | load avg before runs |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for wl in [w for w in workloads if any(k[0] == w for k in self.med)]:
             ref = self.peer(wl)
             for (w, name), s in sorted(self.med.items()):
@@ -204,11 +222,12 @@ class Report:
                     f"{_f(s['output_tokens_per_s'], 1)} | {_f(s['latency_p50_s'], 3)} | "
                     f"{_f(s['latency_p99_s'], 3)} | {_f(s['ttft_p50_s'], 3)} | "
                     f"{'–' if cached is None else f'{100 * cached:.0f} %'} | "
-                    f"{_f(s['ready_s'], 1)} | "
+                    f"{_f(s['ready_s'], 1)} | {_f(s['peak_rss_mib'], 0)} | "
                     f"{f'{v / ref:.2f}x' if ref and v else '–'} | "
                     f"{', '.join(f'{x:.1f}' for x in s['per_rep'])} | "
                     f"{', '.join(f'{x:.2f}' for x in s['loadavg'])} |")
         lines.append("")
+        lines += self.memory_lines()
         rows = self.ratio_rows(workloads)
         if rows:
             lines += ["| workload | ratio | value |", "|---|---|---:|"]
@@ -227,8 +246,59 @@ class Report:
                              f"{_f(d['max_abs_logprob_diff'], 5)} | "
                              f"{_f(d['mean_abs_logprob_diff'], 5)} |")
             lines.append("")
-        lines.append("![requests/s and tokens/s per system](benchmarks.png)")
+        lines.append(f"![requests/s and tokens/s per system]({plot})")
         return "\n".join(lines)
+
+    def memory(self) -> dict:
+        """{system: {"runs", "peak_rss_mib" (median over every run), "peak_rss_max_mib",
+        "ready_s" (median)}} of each server, and "llama-server": every run of its column's
+        rows together (memory and start do not depend on its thread count), when there are
+        two or more such rows."""
+        groups: dict = {}
+        for r in self.recs:
+            if r.get("peak_rss_mib") is not None or r.get("ready_s") is not None:
+                groups.setdefault(r["system"], []).append(r)
+        peers = [r for rs in groups.values() for r in rs if rs[0].get("column") == PEER]
+        if len({r["system"] for r in peers}) > 1:
+            groups[PEER] = peers
+        out = {}
+        for name, rs in groups.items():
+            rss = [r["peak_rss_mib"] for r in rs if r.get("peak_rss_mib") is not None]
+            ready = [r["ready_s"] for r in rs if r.get("ready_s") is not None]
+            out[name] = {"runs": len(rs), "column": rs[0].get("column"),
+                         "peak_rss_mib": statistics.median(rss) if rss else None,
+                         "peak_rss_max_mib": max(rss) if rss else None,
+                         "ready_s": statistics.median(ready) if ready else None}
+        return out
+
+    def memory_lines(self) -> list[str]:
+        """The memory and start table: per system, over all its runs (every workload)."""
+        mem = self.memory()
+        lines = []
+        if any(v["peak_rss_mib"] is not None for v in mem.values()):
+            peer = mem.get(PEER) or next((v for v in mem.values() if v["column"] == PEER), {})
+            lines += ["Peak RSS (VmHWM of the server process and any child, read just before it "
+                      "stopped) and time to ready (start to the first 200 from /health), per "
+                      "system over all its runs; a `llama-server` row pools its thread counts' "
+                      "rows.", "",
+                      "| system | runs | peak RSS MiB, median | max | ready in s, median | "
+                      "RSS vs llama-server | ready vs llama-server |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for name, v in sorted(mem.items()):
+                rss_x = _ratio(v["peak_rss_mib"], peer.get("peak_rss_mib"))
+                ready_x = _ratio(v["ready_s"], peer.get("ready_s"))
+                lines.append(f"| {name} | {v['runs']} | {_f(v['peak_rss_mib'], 0)} | "
+                             f"{_f(v['peak_rss_max_mib'], 0)} | {_f(v['ready_s'], 1)} | "
+                             f"{rss_x} | {ready_x} |")
+            lines.append("")
+        for name, why in (self.meta.get("skipped") or {}).items():
+            lines.append(f"Not run: `{name}`, {why}")
+        for f in self.meta.get("failed") or []:
+            lines.append(f"Did not start: `{f['system']}` ({f['workload']}, rep {f['rep']}): "
+                         f"{f['reason']}")
+        if self.meta.get("skipped") or self.meta.get("failed"):
+            lines.append("")
+        return lines
 
     def ratio_rows(self, workloads: list[str]) -> list[tuple[str, str, float]]:
         rows = []
@@ -362,7 +432,7 @@ class Report:
                         va="bottom", fontsize=8)
             ax.margins(y=0.15)
         m = self.meta
-        fig.suptitle(f"SmolLM2-135M-Instruct Q4_1 GGUF, {m['threads']} cores, {m['cpu']}, "
+        fig.suptitle(f"{model_title(m)}\n{m['threads']} cores, {m['cpu']}, "
                      f"median of {m['reps']} interleaved reps ({m['started']})", fontsize=10)
         fig.tight_layout()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -370,15 +440,5 @@ class Report:
         plt.close(fig)
 
 
-def write_between(path: str, markers: tuple[str, str], text: str) -> None:
-    """Replace what stands between `markers` in the file at `path` (appended if missing)."""
-    begin, end = markers
-    old = open(path).read() if os.path.exists(path) else ""
-    if begin in old and end in old:
-        a, rest = old.split(begin, 1)
-        _, b = rest.split(end, 1)
-        new = f"{a}{begin}\n{text}\n{end}{b}"
-    else:
-        new = f"{old}\n{begin}\n{text}\n{end}\n"
-    with open(path, "w") as f:
-        f.write(new)
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "–"

@@ -1,6 +1,7 @@
 """The systems scripts/compare_peers.py compares, each run as its own docs run it: a program,
 its arguments, its environment (no thread-tuning variable leaked from the benchmark's shell) and
-the command line that starts it as a server.
+the command line that starts it as a server; and what a running server costs in memory (its peak
+RSS, read from /proc).
 
 What it is not: the runs themselves or their report (scripts/compare_peers.py, peer_report.py).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 # The variables through which an environment tunes a program's OpenMP / MKL threads. A peer runs
 # with none of them, as its own docs run it: the benchmark's shell (scripts/test exports
@@ -63,6 +65,28 @@ def systems_for(threads: int) -> list[System]:
     ]
 
 
+TRANSFORMERS_SKIP = ("the file is scripts/make_gguf.py's synthetic one: transformers would "
+                     "dequantize every tensor to fp32 on load (at 8B ~30 GB, more than this "
+                     "machine has) to score random blocks whose logits mean nothing")
+
+
+def model_info(gguf: str, default_gguf: str) -> dict:
+    """What a run serves: the file's general.name and size, whether it is a synthetic file of
+    scripts/make_gguf.py (its general.name starts "synthetic ") and whether it is the default
+    model `default_gguf` (the SmolLM2 whose table and README figures only its own runs write)."""
+    from gguf import GGUFReader
+    field = GGUFReader(gguf).fields.get("general.name")
+    name = field.contents() if field is not None else None
+    default = os.path.exists(default_gguf) and os.path.samefile(gguf, default_gguf)
+    return {"name": name, "file_bytes": os.path.getsize(gguf), "default": default,
+            "synthetic": bool(name and name.startswith("synthetic "))}
+
+
+def skip_reason(system: System, model: dict) -> str | None:
+    """Why `system` is not run on `model` (model_info's), or None."""
+    return TRANSFORMERS_SKIP if system.kind == "transformers" and model["synthetic"] else None
+
+
 def server_command(system: System, gguf: str, port: int, llama_exe: str | None,
                    llama_ctx: int) -> list[str]:
     """The command line that starts `system` as a server on `port`."""
@@ -76,3 +100,55 @@ def server_command(system: System, gguf: str, port: int, llama_exe: str | None,
         return [llama_exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                 *system.args, "-np", "8", "-c", str(llama_ctx), "--no-webui"]
     raise ValueError(f"{system.name} is not a server")
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+
+def vmhwm_kib(status_text: str) -> int | None:
+    """VmHWM (the peak resident set, kB) of a /proc/<pid>/status text; None without one (a
+    zombie, or a kernel thread)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return None
+
+
+def descendants(pid: int, proc: str | os.PathLike = "/proc") -> list[int]:
+    """The pids of every live process below `pid` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path(proc).iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it exited while we looked
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def peak_rss_mib(pid: int, proc: str | os.PathLike = "/proc") -> float | None:
+    """The server's peak resident memory in MiB: VmHWM of `pid` plus that of each live
+    descendant (None when `pid`'s cannot be read). Read it just before the server stops.
+
+    NOTE: with children the sum of the peaks is an upper bound (they need not peak at once).
+    A child that exited before the read is not counted: its memory is no longer the server's."""
+    total = 0
+    for i, p in enumerate([pid, *descendants(pid, proc)]):
+        try:
+            kib = vmhwm_kib((Path(proc) / str(p) / "status").read_text())
+        except OSError:
+            kib = None
+        if kib is None and i == 0:
+            return None
+        total += kib or 0
+    return round(total / 1024, 1)
