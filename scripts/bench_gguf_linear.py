@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""One decode step's layer linears over SmolLM2's own Q4_1 blocks (ops.pack_gguf_panels,
-csrc/linear/quant_linear_cpu.cpp) against the same weights as fp32 panels (ops.pack_panels): every
-attn_q/k/v, attn_output, ffn_gate/up/down of the 30 layers called once per step, in order, so
-each weight comes from DRAM as in a decode step (425 MB fp32, 80 MB of blocks). The two forms
-take turns step by step; medians of --repeats. The lm_head (token_embd, Q8_0) is timed apart.
+"""A GGUF's layer linears computed in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp)
+against the same weights dequantized into fp32 panels (ops.pack_panels), by step size: every
+layer's matrices called once per step, in order, so each weight comes from DRAM as in a forward.
+The forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time.
 
-    OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--ms 1 8 16] [--threads 2]
+    OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
+        [--rows 1 8 64 224] [--layers N] [--threads 2] [--no-panels]
 
-Progress goes to stderr; stdout gets the table and, last, one JSON line.
+--layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --no-panels: the
+in-place form alone. Progress goes to stderr; stdout gets the table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
@@ -26,72 +28,68 @@ import torch  # noqa: E402
 from freetoken import ops  # noqa: E402
 from freetoken.loader import default_model_path  # noqa: E402
 
-LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
-
-def load_forms(path) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]:
-    """{"layers": [(blocks packed, fp32 packed, K)], "lm_head": [...]} from the GGUF file."""
+def load_forms(path: str, layers: int | None, panels: bool) -> list[dict]:
+    """[{k, n, type, in_place, panels}] for every 2-D tensor of the first `layers` layers."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    forms: dict[str, list] = {"layers": [], "lm_head": []}
-    tensors = [t for t in reader.tensors if t.tensor_type.name in ops.GGUF_PANEL_TYPES]
-    for i, t in enumerate(tensors):
-        part = t.name.split(".")[2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        group = "layers" if part in LAYER_TENSORS else "lm_head" if part == "token_embd" else None
-        if group is None:
+    reader = gguf.GGUFReader(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the read-only map is only read
+        mapping = torch.from_numpy(reader.data)
+    out = []
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
             continue
-        k, n = (int(s) for s in t.shape)
-        raw = np.asarray(t.data).reshape(n, -1)
-        w = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t.tensor_type), np.float32))
-        forms[group].append((ops.pack_gguf_panels(torch.from_numpy(np.array(raw)),
-                                                  t.tensor_type.name, k),
-                             ops.pack_panels(w.reshape(n, k)), k))
-        print(f"\rpacking {i + 1}/{len(tensors)}", end="", file=sys.stderr, flush=True)
+        if layers is not None and int(t.name.split(".")[1]) >= layers:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        offsets = torch.arange(n) * (int(t.n_bytes) // n) + int(t.data_offset)
+        form = {"k": k, "n": n, "type": t.tensor_type.name, "mapping": mapping,
+                "in_place": ops.gguf_matrix(mapping, offsets, [t.tensor_type.name], [n], k)}
+        if panels:
+            rows = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+            form["panels"] = ops.pack_panels(ops.dequantize_gguf(rows, t.tensor_type.name, k))
+        out.append(form)
+        print(f"\r{len(out)} matrices", end="", file=sys.stderr)
     print(file=sys.stderr)
-    return forms
+    return out
 
 
-def step_s(linears, which: int, m: int, xs: dict) -> float:
-    start = time.perf_counter()
-    for packed in linears:
-        k = packed[2]
-        x = xs.setdefault((m, k), torch.randn(m, k))
-        ops.panel_linear(x, packed[which])
-    return time.perf_counter() - start
-
-
-def main() -> int:
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 224])
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-panels", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    forms = load_forms(default_model_path())
-    rows, xs = [], {}
-    print(f"# GGUF Q4_1 blocks vs fp32 panels, one decode step's layer linears (30 layers), "
-          f"{args.threads} threads, isa {ops.cpu_isa()}, medians of {args.repeats}")
-    print(" rows | layers: blocks ms  fp32 ms  speed-up | lm_head (Q8_0): blocks ms  fp32 ms")
-    for m in args.ms:
-        times = {(g, w): [] for g in forms for w in (0, 1)}
+    path = args.model or str(default_model_path())
+    forms = load_forms(path, args.layers, not args.no_panels)
+    names = ["in_place"] + ([] if args.no_panels else ["panels"])
+    weights = sum(f["k"] * f["n"] for f in forms)
+    results = []
+    print(f"{os.path.basename(path)}: {len(forms)} matrices, {weights / 1e6:.0f}M weights, "
+          f"{args.threads} threads")
+    print(" rows | " + " | ".join(f"{n:>20}" for n in names))
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for k in {f["k"] for f in forms}}
+        times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.repeats):
-            for g in forms:
-                for w in (0, 1):
-                    times[(g, w)].append(step_s(forms[g], w, m, xs))
-        med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
-        row = {"M": m, "layers_blocks_ms": round(med[("layers", 0)], 3),
-               "layers_fp32_ms": round(med[("layers", 1)], 3),
-               "lm_head_blocks_ms": round(med[("lm_head", 0)], 3),
-               "lm_head_fp32_ms": round(med[("lm_head", 1)], 3)}
-        rows.append(row)
-        print(f" {m:4d} | {row['layers_blocks_ms']:16.2f} {row['layers_fp32_ms']:8.2f} "
-              f"{row['layers_fp32_ms'] / row['layers_blocks_ms']:8.2f}x | "
-              f"{row['lm_head_blocks_ms']:24.2f} {row['lm_head_fp32_ms']:8.2f}", flush=True)
-    print(json.dumps({"bench": "gguf_linear", "threads": args.threads,
-                      "isa": ops.cpu_isa(), "rows": rows, "loadavg": os.getloadavg()}))
-    return 0
+            for name in names:
+                t0 = time.perf_counter()
+                for f in forms:
+                    ops.panel_linear(xs[f["k"]], f[name])
+                times[name].append(time.perf_counter() - t0)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        print(f"{m:5d} | " + " | ".join(
+            f"{med[n] * 1e3:8.2f} ms {2 * m * weights / med[n] / 1e9:5.0f} GF/s" for n in names))
+        results.append({"rows": m, **{f"{n}_ms": med[n] * 1e3 for n in names}})
+    print(json.dumps({"model": os.path.basename(path), "threads": args.threads,
+                      "weights": weights, "results": results}))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
