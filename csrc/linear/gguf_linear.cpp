@@ -252,17 +252,36 @@ struct Decoder<L, kQ8_0> : Base<L> {  // d, qs[32] int8: w = q * d
   }
 };
 
+// 4-bit codes on AVX-512: the 16 possible weights of a block (or sub-block) as one vector, a
+// table, and each code's weight one vpermps from it (which reads only an index's low 4 bits:
+// no mask, no convert, no FMA per vector). Each table entry is the scalar formula's value:
+// fma(q, d, m) rounds once, as d * q + m does with d * q exact.
+FT_INLINE typename Vec<16>::f lookup(typename Vec<16>::f table, typename Vec<16>::i codes) {
+  return __builtin_shuffle(table, codes);  // indices modulo 16
+}
+FT_INLINE typename Vec<16>::f codes_0_15() {
+  return typename Vec<16>::f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
+
 template <int L>
 struct Decoder<L, kQ4_0> : Base<L> {  // d, qs[16]: w = (q - 8) * d, q low nibbles then high
   typename Base<L>::vf d;
   FT_INLINE void open(const uint8_t* p) {
     this->b = p;
-    d = vec::splat<L>(half_to_float(p));
+    if constexpr (L == 16) {
+      d = (codes_0_15() - 8.f) * vec::in_register(vec::splat<L>(half_to_float(p)));
+    } else {
+      d = vec::splat<L>(half_to_float(p));
+    }
   }
   FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
     for (int v = 0; v < Base<L>::V; ++v) {
       const typename Base<L>::vi q = widen_u8<L>(this->b + 2 + v * L);
-      w[v] = to_float<L>((j ? q >> 4 : q & 15) - 8) * d;
+      if constexpr (L == 16) {
+        w[v] = lookup(d, j ? q >> 4 : q);
+      } else {
+        w[v] = to_float<L>((j ? q >> 4 : q & 15) - 8) * d;
+      }
     }
   }
 };
@@ -276,12 +295,34 @@ struct Decoder<L, kQ4_1> : Base<L> {  // d, m, qs[16]: w = q * d + m
     half_pair(p, &dd, &mm);
     d = vec::splat<L>(dd);
     m = vec::splat<L>(mm);
+    if constexpr (L == 16) d = codes_0_15() * vec::in_register(d) + m;  // the table
   }
   FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
     for (int v = 0; v < Base<L>::V; ++v) {
       const typename Base<L>::vi q = widen_u8<L>(this->b + 4 + v * L);
-      w[v] = to_float<L>(j ? q >> 4 : q & 15) * d + m;
+      if constexpr (L == 16) {
+        w[v] = lookup(d, j ? q >> 4 : q);
+      } else {
+        w[v] = to_float<L>(j ? q >> 4 : q & 15) * d + m;
+      }
     }
+  }
+};
+
+template <int L>
+struct Decoder<L, kIQ4_NL> : Base<L> {  // d, qs[16]: w = d * kIq4Values[q]
+  typename Base<L>::vf table;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    table = iq4_values() * vec::in_register(vec::splat<16>(half_to_float(p)));
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    const typename Base<L>::vi q = widen_u8<L>(this->b + 2);
+    w[0] = lookup(table, j ? q >> 4 : q);
+  }
+  static FT_INLINE typename Vec<16>::f iq4_values() {
+    return typename Vec<16>::f{-127, -104, -83, -65, -49, -35, -22, -10,
+                               1,    13,   25,  38,  53,  69,  89,  113};
   }
 };
 
@@ -367,8 +408,12 @@ struct Decoder<L, kQ4_K> : KScales<L> {  // d, dmin, scales[12], qs[128]
     const int g = j >> 1;  // sub-block: 32-byte chunk g / 2, nibble g % 2
     const uint8_t* q = this->b + 16 + (g >> 1) * 32 + (j & 1) * 16;
     const auto d = vec::splat<L>(this->dsc[g]), mn = vec::splat<L>(this->dmn[g]);
-    for (int v = 0; v < Base<L>::V; ++v)
-      w[v] = to_float<L>((widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15) * d - mn;
+    if constexpr (L == 16) {  // the sub-block's table, shared by its two vectors
+      w[0] = lookup(codes_0_15() * d - mn, widen_u8<L>(q) >> (4 * (g & 1)));
+    } else {
+      for (int v = 0; v < Base<L>::V; ++v)
+        w[v] = to_float<L>((widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15) * d - mn;
+    }
   }
 };
 
@@ -444,12 +489,29 @@ struct Buffered : Base<L> {
 
 template <int L> struct Decoder<L, kQ2_K> : Buffered<L, kQ2_K> {};
 template <int L> struct Decoder<L, kQ3_K> : Buffered<L, kQ3_K> {};
-template <int L> struct Decoder<L, kIQ4_NL> : Buffered<L, kIQ4_NL> {};
-template <int L> struct Decoder<L, kIQ4_XS> : Buffered<L, kIQ4_XS> {};
+template <int L>
+struct Decoder<L, kIQ4_XS> : Base<L> {  // d, scales_h (u16), scales_l[4], qs[128]
+  float d;
+  uint16_t sh;
+  FT_INLINE void open(const uint8_t* p) {
+    this->b = p;
+    d = half_to_float(p);
+    std::memcpy(&sh, p + 2, 2);
+  }
+  FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
+    const int g = j >> 1;  // sub-block g: 16 bytes, low nibbles then high
+    const int ls = ((this->b[4 + (g >> 1)] >> (4 * (g & 1))) & 15) | (((sh >> (2 * g)) & 3) << 4);
+    const float dg = d * static_cast<float>(ls - 32);
+    const typename Base<L>::vi q = widen_u8<L>(this->b + 8 + g * 16);
+    w[0] = lookup(Decoder<16, kIQ4_NL>::iq4_values() * vec::in_register(vec::splat<16>(dg)),
+                  (j & 1) ? q >> 4 : q);
+  }
+};
 
 // The baseline variant (4 lanes, SSE2: no byte widening) decodes every format through the buffer.
 template <int L, Type T>
-using DecoderFor = std::conditional_t<L == 4, Buffered<L, T>, Decoder<L, T>>;
+using DecoderFor = std::conditional_t<
+    L == 4 || (L == 8 && (T == kIQ4_NL || T == kIQ4_XS)), Buffered<L, T>, Decoder<L, T>>;
 
 // --- the fixed summation order ---------------------------------------------------------------------
 
