@@ -89,6 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_pack", &freetoken::panel_pack_cpu,
         "CPU: W [N, K] fp32 -> the packed panels (1-D fp32, a header then [N/16, K, 16])",
         py::arg("weight"));
+  m.def("gguf_pack", &freetoken::gguf_pack_cpu,
+        "CPU: GGUF Q4_1 / Q8_0 rows [N, K/32 * block bytes] uint8 -> packed panels (1-D uint8)",
+        py::arg("blocks"), py::arg("type"), py::arg("K"));
   m.def("gguf_dequantize", &freetoken::gguf_dequantize_cpu,
         "CPU: GGUF rows [N, K/block * block bytes] uint8 of a type -> [N, K] fp32, exactly the "
         "gguf package's dequantize", kNoGil, py::arg("rows"), py::arg("type"), py::arg("K"));

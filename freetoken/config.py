@@ -259,9 +259,11 @@ class KernelConfig:
         "torch twins), ext (freetoken._C or an error), torch (the torch twins)",
         choices=("auto", "ext", "torch"), env="FREETOKEN_OPS")
     linear: str = _knob(
-        "auto", "the CPU linear layers: auto (panels, plus the GGUF blocks for steps of few "
-        "rows), panels (no GGUF blocks), onednn (oneDNN with packed weights), torch (F.linear)",
-        choices=("auto", "panels", "onednn", "torch"), env="FREETOKEN_LINEAR")
+        "auto", "the CPU linear layers: auto (a GGUF over 1 GiB as fp32 computes in place in "
+        "its blocks; smaller ones as fp32 panels plus Q4_1 / Q8_0 blocks for steps of few "
+        "rows), gguf (in place whatever the size), panels (no GGUF blocks), onednn (oneDNN "
+        "with packed weights), torch (F.linear)",
+        choices=("auto", "gguf", "panels", "onednn", "torch"), env="FREETOKEN_LINEAR")
     cpu_isa: str = _knob(
         "auto", "the CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2 or "
         "base", choices=("auto", "avx512", "avx2", "base"), env="FREETOKEN_CPU_ISA")

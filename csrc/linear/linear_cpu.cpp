@@ -366,6 +366,8 @@ int64_t panel_bytes(Format format, int64_t K) {
   switch (format) {
     case kF32: return K * kNR * 4;
     case kBF16: return K * kNR * 2;
+    case kQ4_1: return K / 32 * kQ4_1BlockBytes;
+    case kQ8_0: return K / 32 * kQ8_0BlockBytes;
   }
   return -1;
 }
@@ -380,21 +382,24 @@ void write_header(const at::Tensor& out, int64_t N, int64_t K, Format format) {
 Header read_header(const at::Tensor& packed, const char* op) {
   const at::ScalarType t = packed.scalar_type();
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() &&
-                  (t == at::kFloat || t == at::kBFloat16),
-              op, ": packed must be the 1-D CPU tensor from pack_panels or gguf_matrix");
+                  (t == at::kFloat || t == at::kBFloat16 || t == at::kByte),
+              op, ": packed must be the 1-D CPU tensor from pack_panels, pack_gguf_panels or gguf_matrix");
   const int64_t off = kHeaderBytes / static_cast<int64_t>(c10::elementSize(t));
   TORCH_CHECK(packed.numel() >= off, op, ": packed is too short for a header");
   int32_t h[kHeaderBytes / 4];
   std::memcpy(h, packed.data_ptr(), sizeof h);
   TORCH_CHECK(h[0] == kMagic && h[1] == kVersion && h[4] == kNR,
-              op, ": packed has no panel header (not made by pack_panels, "
+              op, ": packed has no panel header (not made by pack_panels or pack_gguf_panels, "
               "or another version)");
   const auto format = static_cast<Format>(h[6]);
-  const at::ScalarType want = format == kF32 ? at::kFloat : at::kBFloat16;
-  TORCH_CHECK(format >= kF32 && format <= kBF16 && want == t,
+  const at::ScalarType want = format == kF32 ? at::kFloat
+                              : format == kBF16 ? at::kBFloat16
+                              : at::kByte;
+  TORCH_CHECK(format >= kF32 && format <= kQ8_0 && want == t,
               op, ": packed's header names another format than its tensor's dtype");
   const Header hd{h[2], h[3], h[5], format, off};
-  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 &&
+  const bool blocks = format == kQ4_1 || format == kQ8_0;
+  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && (!blocks || hd.K % 32 == 0) &&
                   hd.P == (hd.N + kNR - 1) / kNR &&
                   packed.numel() * packed.element_size() ==
                       kHeaderBytes + hd.P * panel_bytes(format, hd.K),
@@ -492,6 +497,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
   if (is_gguf_matrix(packed)) return gguf_matrix_linear(x, packed, bias);
   const panel::Header h = panel::read_header(packed, "panel_linear");
+  // GGUF blocks hold fp32 values: x, bias and y are fp32.
   const at::ScalarType dtype = h.format == panel::kBF16 ? at::kBFloat16 : at::kFloat;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.dim() == 2,
               "panel_linear: x must be a 2-D CPU tensor [M, K] of the weight's dtype (",
@@ -516,6 +522,10 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
     case panel::kBF16:
       panel_linear_impl<uint16_t, at::BFloat16>(x, packed, h, b, y);
       return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
+    case panel::kQ4_1:
+    case panel::kQ8_0:
+      panel::gguf_panel_linear(x, packed, h, b, y);
+      return y;
     case panel::kF32:
       break;
   }

@@ -14,12 +14,16 @@ namespace freetoken {
 // panels [K, NR], columns >= N zero.
 at::Tensor panel_pack_cpu(const at::Tensor& weight);
 
-// {N, K} of a packed tensor or a GGUF descriptor (gguf_linear.h; checks its header).
+// GGUF rows [N, K / 32 * block bytes] (uint8) of type "Q4_1" or "Q8_0" -> the packed form: a
+// 1-D uint8 tensor, the same header (dtype 2 Q4_1 / 3 Q8_0) then the blocks regrouped per panel
+// (csrc/linear/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it.
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K);
+
+// {N, K} of a packed tensor (checks its header).
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed);
 
-// x [M, K] contiguous, bias [N] or none, both of the weight's dtype (fp32 for a GGUF
-// descriptor: gguf_matrix_linear) -> y [M, N] of that dtype (fp32 sums; bf16 y is their one
-// rounding).
+// x [M, K] contiguous, bias [N] or none, both of the weight's dtype -> y [M, N] of that dtype
+// (fp32 sums; bf16 y is their one rounding).
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias);
 

@@ -1,5 +1,5 @@
-// What the panel linear (linear_cpu.cpp: fp32 / bf16 weights) keeps apart for its kernels and the
-// block-resident linear (gguf_linear.cpp) reuses: the packed tensor's header, the vector
+// What the two panel linears share (linear_cpu.cpp: fp32 / bf16 weights;
+// quant_linear_cpu.cpp: GGUF Q4_1 / Q8_0 blocks): the packed tensor's header, the vector
 // types of their micro-kernels, the huge-page advice.
 #pragma once
 
@@ -23,11 +23,18 @@ constexpr int kNR = 16;                 // panel width in weights: 16 output col
 constexpr int32_t kMagic = 0x4C505446;  // "FTPL"
 constexpr int32_t kVersion = 1;
 constexpr int64_t kHeaderBytes = 64;    // so panels stay 64-byte aligned
-// Header word 6: what the panels hold, fp32 / bf16 in a tensor of that dtype.
-enum Format : int32_t { kF32 = 0, kBF16 = 1 };
+// Header word 6: what the panels hold. fp32 / bf16 in a tensor of that dtype; GGUF blocks in a
+// uint8 tensor.
+enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
+// GGUF blocks of 32 k, regrouped per panel (csrc/linear/quant_linear_cpu.cpp): Q4_1 as d[16], m[16]
+// (fp32) then the nibbles in 4 x 16 uint32 words; Q8_0 as d[16] then the int8s in 8 x 16 words.
+constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
+constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
 constexpr int kChains = 8;                 // independent FMA chains wanted per micro-kernel
 // The k unroll of a micro-kernel with `accumulators` vectors: interleaved partial sums, enough
-// for kChains FMA chains, a power of two.
+// for kChains FMA chains, a power of two so it divides a GGUF block's 32 k: both panel kernels
+// then sum each output in the same order, and the GGUF blocks give the fp32 panels' results bit
+// for bit (up to 8 rows on AVX-512).
 constexpr int partial_sums(int accumulators) {
   int ku = 1;
   while (ku * accumulators < kChains) ku *= 2;
@@ -54,6 +61,11 @@ Header read_header(const at::Tensor& packed, const char* op);
 void write_header(const at::Tensor& out, int64_t N, int64_t K, Format format);
 // Bytes of one panel of K rows in `format`.
 int64_t panel_bytes(Format format, int64_t K);
+
+// y [M, N] (fp32, allocated) = x [M, K] fp32 @ W^T (+ bias) over GGUF-block panels (h.format
+// kQ4_1 / kQ8_0). Defined in quant_linear_cpu.cpp; panel_linear_cpu dispatches to it.
+void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+                       const float* bias, at::Tensor& y);
 
 using vec::in_register;
 using vec::loadu;

@@ -18,7 +18,7 @@ import torch
 
 from freetoken.loader.memory import check_fits
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
-from freetoken.model.linear import gguf_in_place
+from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,14 @@ def load_model(
         raise FileNotFoundError(f"model path {path} does not exist")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     if is_gguf:
-        from freetoken.loader.gguf import open_gguf, read_config, read_in_place, read_weights
+        from freetoken.loader.gguf import (
+            fp32_bytes,
+            open_gguf,
+            read_blocks,
+            read_config,
+            read_in_place,
+            read_weights,
+        )
 
         reader = open_gguf(path)
         if kv_bytes is not None:
@@ -108,10 +115,13 @@ def load_model(
         # NOTE: the parsed metadata (mostly the vocabulary) is ~150 MB of Python objects; drop it
         # before dequantising so it does not add to the peak.
         reader.fields.clear()
-        if gguf_in_place(dtype, device):  # the weights stay in the file's blocks, mapped
+        blocks = None
+        if gguf_in_place(dtype, device, fp32_bytes(reader)):  # stay in the file's blocks
             weights, matrices = read_in_place(reader, config, progress=progress)
         else:
             weights, matrices = read_weights(reader, config, progress=progress), None
+            # fp32 on the CPU keeps the Q4_1 / Q8_0 blocks too, for steps of few rows (exact).
+            blocks = read_blocks(reader, config) if gguf_blocks_wanted(dtype, device) else None
         del reader
         files = [path]
     elif path.is_dir():
@@ -121,7 +131,7 @@ def load_model(
             check_fits(path, dtype, device, kv_bytes)
 
         config, weights = load_safetensors(path, progress=progress)
-        matrices = None
+        matrices = blocks = None
         tokenizer = _load_tokenizer(path, is_gguf) if load_tokenizer else None
         files = weight_files(path)
     else:
@@ -129,8 +139,9 @@ def load_model(
             f"model path {path} is neither a .gguf file nor a directory with "
             f"config.json and *.safetensors"
         )
-    model = build_model(config, weights, dtype=dtype, device=device, matrices=matrices)
-    del weights, matrices
+    model = build_model(config, weights, dtype=dtype, device=device, matrices=matrices,
+                        blocks=blocks)
+    del weights, matrices, blocks
     num_params = model.num_parameters()
     elapsed_s = time.perf_counter() - start
     logger.info(

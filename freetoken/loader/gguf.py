@@ -1,14 +1,16 @@
 """GGUF file -> (ModelConfig, HF-named weights), through the `gguf` reader package.
 
-Two ways to read the weights:
-  * read_in_place (fp32 on the CPU extension, the default there): every matrix stays where the
-    file's read-only memory map has it, handed over as a GGUFMatrix (row offsets into the map,
-    q/k rows un-permuted by reordering their offsets: a row's blocks move with it); only the
-    small tensors (norms, biases) are dequantised. A matrix of a type the in-place kernel does not
-    take is an error naming the tensor and its type.
+Two ways to read the weights (model/linear.py gguf_in_place chooses):
+  * read_in_place (fp32 on the CPU extension, models over 1 GiB as fp32): every matrix stays
+    where the file's read-only memory map has it, handed over as a GGUFMatrix (row offsets into
+    the map, q/k rows un-permuted by reordering their offsets: a row's blocks move with it);
+    only the small tensors (norms, biases) are dequantised. A matrix of a type the in-place
+    kernel does not take is an error naming the tensor and its type.
   * read_weights: every tensor dequantised to fp32, each weight exactly the value
     `gguf.quants.dequantize` gives (through freetoken.ops.dequantize_gguf's C++ kernel where it
     covers the type, through the gguf package itself for the rest); the model casts to its dtype.
+    read_blocks also hands over the Q4_1 / Q8_0 matrices as their raw blocks, which an fp32 model
+    on the CPU keeps packed for steps of few rows (dequantised in registers to the same values).
 Not here: the tokenizer (freetoken/tokenizer/gguf_vocab.py reads the same file's vocabulary).
 """
 
@@ -25,7 +27,7 @@ from freetoken import ops
 from freetoken.loader.progress import progress as show_progress
 from freetoken.loader.progress import progress_done
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import GGUFMatrix
+from freetoken.model.linear import GGUF_BLOCK_TYPES, GGUFBlocks, GGUFMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,11 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
+def fp32_bytes(reader) -> int:
+    """The bytes of the file's weights as fp32 (what dequantising them would keep)."""
+    return 4 * sum(int(t.n_elements) for t in reader.tensors)
+
+
 def open_gguf(path: str | Path):
     """A gguf.GGUFReader (parsing the metadata takes seconds: open once, share with the
     tokenizer)."""
@@ -285,3 +292,23 @@ def _dequantized(t, config: ModelConfig) -> torch.Tensor:
         tuple(reversed(ne)))
     order = _unpermuted_order(t.name, config, array.shape[0])
     return torch.from_numpy(np.ascontiguousarray(array if order is None else array[order]))
+
+
+def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
+    """The 2-D weights stored as GGUF_BLOCK_TYPES, as raw blocks keyed by HF names: rows [out,
+    row bytes] uint8, q/k rows un-permuted as read_weights does (a row's blocks move with it)."""
+    permute = config.arch in ("llama", "mistral")
+    blocks: dict[str, GGUFBlocks] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type.name not in GGUF_BLOCK_TYPES or len(t.shape) != 2:
+            continue
+        in_features, out_features = (int(n) for n in t.shape)  # gguf shapes are [ne0, ne1]
+        rows = np.asarray(t.data).reshape(out_features, -1)
+        if permute and t.name.endswith("attn_q.weight"):
+            rows = reverse_permute(rows, config.num_heads)
+        elif permute and t.name.endswith("attn_k.weight"):
+            rows = reverse_permute(rows, config.num_kv_heads)
+        blocks[name] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(rows)),
+                                  in_features)
+    return blocks

@@ -31,18 +31,19 @@ class WeightBytes:
 
 
 def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> WeightBytes:
-    """The bytes the loaded model's weights will hold: a GGUF served in place (fp32 on the CPU
-    extension, model/linear.py gguf_in_place) its tensors' bytes as the file stores them;
-    otherwise every parameter in `dtype` and, on the CPU, the packed forms the kernels keep
-    beside it (a tied lm_head's packed copy; bf16's second, panel copy of every matrix).
-    `reader`: the GGUF's open GGUFReader, when the caller has one (parsing the header costs
-    ~2 s for SmolLM2)."""
-    from freetoken.model.linear import gguf_in_place
+    """The bytes the loaded model's weights will hold: a GGUF served in place (model/linear.py
+    gguf_in_place) its tensors' bytes as the file stores them; otherwise every parameter in
+    `dtype` and, on the CPU, the packed forms the kernels keep beside it (a tied lm_head's
+    packed copy; bf16's second, panel copy of every matrix; fp32's Q4_1 / Q8_0 blocks for steps
+    of few rows). `reader`: the GGUF's open GGUFReader, when the caller has one (parsing the
+    header costs ~2 s for SmolLM2)."""
+    from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
 
     elem = torch.empty((), dtype=dtype).element_size()
+    blocks = 0
     if path.is_file():
-        params, matrices, tied, lm_head, file_bytes = _gguf_counts(path, reader)
-        if gguf_in_place(dtype, device):
+        params, matrices, tied, lm_head, file_bytes, blocks = _gguf_counts(path, reader)
+        if gguf_in_place(dtype, device, 4 * params):
             return WeightBytes(file_bytes, f"{params / 1e9:.2f}B parameters in the file's "
                                            f"blocks, {file_bytes / GiB:.1f} GiB memory-mapped")
     else:
@@ -55,6 +56,9 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> We
         if dtype != torch.float32:
             total += matrices * elem
             parts.append("a second (panel) copy of every matrix")
+        elif blocks and gguf_blocks_wanted(dtype, device):
+            total += blocks
+            parts.append(f"{blocks / GiB:.1f} GiB of GGUF blocks for decode steps")
     return WeightBytes(total, ", ".join(parts))
 
 
@@ -106,8 +110,11 @@ def _name(dtype: torch.dtype) -> str:
 Counts = tuple[int, int, bool, int, int]
 
 
-def _gguf_counts(path: Path, reader=None) -> Counts:
+def _gguf_counts(path: Path, reader=None) -> tuple[int, int, bool, int, int, int]:
+    """Counts (above) and the bytes of the Q4_1 / Q8_0 matrices kept for decode steps."""
     from gguf import GGUFReader
+
+    from freetoken.model.linear import GGUF_BLOCK_TYPES
 
     tensors = (reader or GGUFReader(path)).tensors
     names = {t.name for t in tensors}
@@ -115,7 +122,9 @@ def _gguf_counts(path: Path, reader=None) -> Counts:
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
     embed = next((int(t.n_elements) for t in tensors if t.name == "token_embd.weight"), 0)
     file_bytes = sum(int(t.n_bytes) for t in tensors)
-    return params, matrices, "output.weight" not in names, embed, file_bytes
+    blocks = sum(int(t.n_bytes) for t in tensors
+                 if len(t.shape) == 2 and t.tensor_type.name in GGUF_BLOCK_TYPES)
+    return params, matrices, "output.weight" not in names, embed, file_bytes, blocks
 
 
 def _safetensors_counts(path: Path) -> Counts:

@@ -8,7 +8,7 @@ import torch
 
 from freetoken import ops
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import FEW_ROWS, GGUFMatrix
+from freetoken.model.linear import FEW_ROWS, GGUFBlocks, GGUFMatrix, few_rows_form
 from freetoken.model.llama import GGUFEmbedding, LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
@@ -22,13 +22,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     matrices: dict[str, GGUFMatrix] | None = None,
+    blocks: dict[str, GGUFBlocks] | None = None,
 ) -> LlamaForCausalLM:
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
     Built on the meta device (no random init), then each parameter is replaced by its HF-named
     tensor from `weights` (consumed), on `device` in `dtype`. On CPU the projections are then
-    packed (panels for fp32; oneDNN for bf16, with panels for steps of few rows), or, for the
-    names in `matrices` (consumed), left in their GGUF blocks (model/linear.py).
+    packed (panels for fp32; oneDNN for bf16), with a second form for steps of few rows: the
+    GGUF blocks in `blocks` (consumed) for fp32, panels for bf16; or, for the names in
+    `matrices` (consumed), left in their GGUF blocks (model/linear.py).
     """
     matrices = dict(matrices or {})
     with torch.device("meta"):
@@ -41,17 +43,21 @@ def build_model(
         model.embed_tokens = GGUFEmbedding(embedding)
     types = sorted({t for m in matrices.values() for t in m.types}
                    | set(embedding.types if embedding else []))
-    form = model.pack_linears(matrices)
+    form = model.pack_linears(matrices, blocks)
     if form == "gguf":
         logger.info("linear layers: the GGUF's %s blocks in place (memory-mapped, no fp32 copy), "
                     "decoded exactly in freetoken._C (%s), fp32 FMAs in one summation order for "
                     "every step size", "/".join(types), ops.cpu_isa())
     else:
-        few = {"bf16 panels" for m, _ in model.projections() if m.few_rows is not None}
+        few = {few_rows_form(m.few_rows) for m, _ in model.projections()} - {None}
+        if model.lm_head_few_rows is not None:
+            few.add(few_rows_form(model.lm_head_few_rows))
         logger.info("linear layers: %s%s", {
             "panels": "freetoken._C panels, pre-packed weights (small-M streaming GEMM)",
             "onednn": "oneDNN, pre-packed weights"}.get(form, "torch F.linear"),
-            f"; for steps of <= {FEW_ROWS} rows freetoken._C bf16 panels" if few else "")
+            f"; for steps of <= {FEW_ROWS} rows freetoken._C panels of {'/'.join(sorted(few))}"
+            + (" (GGUF blocks dequantized exactly in registers)" if few - {"bf16 panels"}
+               else "") if few else "")
     fused = [layer.fused for layer in model.layers if layer.fused is not None]
     if fused:
         rows = "every step" if fused[0].serves(1 << 30) else f"steps of <= {FEW_ROWS} rows"

@@ -10,14 +10,19 @@
   * everywhere else: F.linear.
 All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a logit).
 
-A GGUF file's weights, fp32 on the CPU with freetoken._C, take none of these: they stay in the
-file's blocks where its read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py;
-ops.gguf_matrix, csrc/linear/gguf_linear.cpp), every step size computing with each weight decoded
-to exactly its dequantized fp32 value, fp32 FMAs in one summation order whatever the row count.
-No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB instead of ~5.
+A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32 (fp32 on the CPU with
+freetoken._C, linear "auto"; "gguf" whatever the size) takes none of these: its weights stay in
+the file's blocks where its read-only memory map has them (GGUFMatrix, from
+freetoken/loader/gguf.py; ops.gguf_matrix, csrc/linear/gguf_linear.cpp), every step size
+computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
+summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB
+instead of ~5.5.
 
-Steps of at most FEW_ROWS rows of a bf16 model take a second form (`few_rows`): panels next to
-oneDNN (below).
+Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
+  * fp32 weights of a smaller GGUF that its file stores as Q4_1 / Q8_0 blocks (GGUFBlocks): the
+    blocks packed into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp), each
+    weight dequantized in registers to exactly the fp32 value of the plain weight;
+  * bf16 weights: panels next to oneDNN (below).
 
 The packed weight replaces the plain one: a panel tensor or a GGUF descriptor is 1-D (its header
 carries N, K and the format), a oneDNN one an opaque mkldnn tensor of the same shape.
@@ -36,6 +41,36 @@ from torch import nn
 from freetoken import ops
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+GGUF_BLOCK_TYPES = ops.GGUF_PANEL_TYPES  # ("Q4_1", "Q8_0")
+
+# NOTE: below this a GGUF's fp32 copy fits easily and is faster: SmolLM2 (0.5 GB as fp32) served
+# by the in-place kernels ran classify 0.76x, decode 8 streams 0.57x and one stream 0.64x its
+# fp32 panels plus Q4_1 panels (scripts/ab_serve.py, 2026-12-03): their 32-weight blocks carry
+# two fp16 scales each, converted per block per output in the native layout, where the packed
+# panels hold them as fp32 once. Above it the fp32 copy is the problem (1B: 5.5 GB resident).
+IN_PLACE_MIN_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class GGUFBlocks:
+    """A weight [out, in] as its GGUF file stores it: rows [out, in / 32 * block bytes] uint8 of
+    `type`. What the loader hands over next to the dequantized weight."""
+
+    type: str
+    rows: torch.Tensor
+    in_features: int
+
+    @staticmethod
+    def fuse(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
+        """The blocks of the weights concatenated along out (q/k/v, gate/up); None unless every
+        part has blocks of one type."""
+        if not parts or any(p is None for p in parts) or len({(p.type, p.in_features)
+                                                               for p in parts}) != 1:
+            return None
+        rows = parts[0].rows if len(parts) == 1 else torch.cat([p.rows for p in parts])
+        return GGUFBlocks(parts[0].type, rows, parts[0].in_features)
 
 
 @dataclass(slots=True)
@@ -84,9 +119,19 @@ class GGUFMatrix:
         return ops.dequantize_gguf(self.mapping[index], self.types[0], self.in_features)
 
 
-def gguf_in_place(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True when a GGUF's weights of `dtype` on `device` stay in the file's blocks here (fp32 on
-    the CPU extension, linear "auto"); the loader dequantizes them otherwise."""
+def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: int) -> bool:
+    """True when a GGUF's weights (`fp32_bytes` as fp32) of `dtype` on `device` stay in the
+    file's blocks here: fp32 on the CPU extension, linear "gguf", or "auto" above
+    IN_PLACE_MIN_BYTES; the loader dequantizes them otherwise."""
+    mode = ops.config().linear
+    return (mode == "gguf" or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)) \
+        and dtype == torch.float32 and torch.device(device).type == "cpu" \
+        and ops.panel_linear_available(torch.empty(0))
+
+
+def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True when a weight of `dtype` on `device` takes its GGUF blocks as the few-rows form here
+    (fp32 on the CPU extension, linear "auto"); the loader reads the blocks only then."""
     return ops.config().linear == "auto" and dtype == torch.float32 \
         and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
 
@@ -132,12 +177,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def pack_few_rows(weight: torch.Tensor) -> torch.Tensor | None:
-    """The second form, for steps of at most FEW_ROWS rows: panels of a bf16 weight whose main
-    form is oneDNN; None where the main form serves every row count."""
+def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> torch.Tensor | None:
+    """The second form, for steps of at most FEW_ROWS rows: the GGUF blocks of an fp32 weight
+    (`blocks`: the same values, so the same results), or panels of a bf16 weight whose main form
+    is oneDNN; None where the main form serves every row count."""
+    if blocks is not None and gguf_blocks_wanted(weight.dtype, weight.device):
+        if tuple(blocks.rows.shape[:1]) + (blocks.in_features,) != tuple(weight.shape):
+            raise ValueError(f"GGUF blocks of shape [{blocks.rows.shape[0]}, "
+                             f"{blocks.in_features}] for a weight {tuple(weight.shape)}")
+        return ops.pack_gguf_panels(blocks.rows, blocks.type, blocks.in_features)
     if weight.dtype != torch.float32 and panels_available(weight) and _onednn_available(weight):
         return ops.pack_panels(weight.detach().contiguous())
     return None
+
+
+def few_rows_form(few_rows: torch.Tensor | None) -> str | None:
+    """What a few-rows form holds: "Q4_1" / "Q8_0" (GGUF blocks), "bf16 panels", or None."""
+    if few_rows is None:
+        return None
+    return ops.gguf_panel_type(few_rows) or "bf16 panels"
 
 
 def packed_form(weight: torch.Tensor) -> str:
@@ -176,9 +234,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.few_rows)
 
-    def pack(self, matrix: GGUFMatrix | None = None) -> bool:
-        """Replace the plain weight by its packed form(s), or by the descriptor of `matrix` (its
-        GGUF blocks in place: the weight was never loaded); False where none is available."""
+    def pack(self, matrix: GGUFMatrix | None = None, blocks: GGUFBlocks | None = None) -> bool:
+        """Replace the plain weight by its packed form(s), `blocks` (its GGUF blocks, if any)
+        for few rows; or by the descriptor of `matrix` (its GGUF blocks in place: the weight was
+        never loaded). False where none is available."""
         if matrix is not None:
             if (matrix.out_features, matrix.in_features) != (self.out_features,
                                                               self.in_features):
@@ -191,6 +250,6 @@ class Linear(nn.Module):
             return True
         if not packing_available(self.weight):
             return False
-        self.few_rows = pack_few_rows(self.weight)
+        self.few_rows = pack_few_rows(self.weight, blocks)
         self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
         return True

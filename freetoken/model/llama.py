@@ -22,6 +22,7 @@ from freetoken.model.attention import AttentionMetadata, build_attention_metadat
 from freetoken.model.config import ModelConfig
 from freetoken.model.linear import (
     FEW_ROWS,
+    GGUFBlocks,
     GGUFMatrix,
     Linear,
     linear,
@@ -266,11 +267,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.out_features
 
     def num_parameters(self) -> int:
-        """The weights' count, those left in GGUF blocks included (a descriptor's bytes are not
-        parameters)."""
-        n = sum(p.numel() for p in self.parameters() if not ops.is_gguf_matrix(p))
-        n += sum(m.in_features * m.out_features for m in self.modules()
-                 if isinstance(m, Linear) and ops.is_gguf_matrix(m.weight))
+        """The weights' count, those packed or left in GGUF blocks counted as [out, in] (a packed
+        form's header and padding, a descriptor's addresses are not parameters)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        packed = {id(m.weight) for m in linears}  # panels, oneDNN or descriptors: not [out, in]
+        n = sum(p.numel() for p in self.parameters() if id(p) not in packed)
+        n += sum(m.in_features * m.out_features for m in linears)
         if isinstance(self.embed_tokens, GGUFEmbedding):
             n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
         return n
@@ -327,27 +329,34 @@ class LlamaForCausalLM(nn.Module):
             yield layer.mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
             yield layer.mlp.down_proj, [p + "mlp.down_proj.weight"]
 
-    def pack_linears(self, matrices: dict[str, GGUFMatrix] | None = None) -> str:
+    def pack_linears(self, matrices: dict[str, GGUFMatrix] | None = None,
+                     blocks: dict[str, GGUFBlocks] | None = None) -> str:
         """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py),
-        or give them the descriptors of their GGUF blocks in place (`matrices`, HF names;
-        consumed). A tied lm_head gets its own packed copy (the embedding lookup needs the plain
-        rows: vocab x hidden more memory), or the embedding's blocks' descriptor. Returns the
-        form: "gguf", "panels", "onednn", or "plain" (nothing changed: packing is not
-        available)."""
+        with the GGUF blocks of their weights (`blocks`, HF names; consumed) as the form for few
+        rows where those serve; or give them the descriptors of their GGUF blocks in place
+        (`matrices`, HF names; consumed). A tied lm_head gets its own packed copy (the embedding
+        lookup needs the plain rows: vocab x hidden more memory), or the embedding's blocks'
+        descriptor. Returns the form: "gguf", "panels", "onednn", or "plain" (nothing changed:
+        packing is not available)."""
         matrices = matrices if matrices is not None else {}
+        blocks = blocks if blocks is not None else {}
         if not matrices and not packing_available(self.norm.weight):
             return "plain"
         for module, names in self.projections():
-            module.pack(GGUFMatrix.fuse([matrices.pop(n, None) for n in names]))
+            module.pack(GGUFMatrix.fuse([matrices.pop(n, None) for n in names]),
+                        GGUFBlocks.fuse([blocks.pop(n, None) for n in names]))
         if self.lm_head is not None:
-            self.lm_head.pack(matrices.pop("lm_head.weight", None))
+            self.lm_head.pack(matrices.pop("lm_head.weight", None),
+                              blocks.pop("lm_head.weight", None))
         elif isinstance(self.embed_tokens, GGUFEmbedding):
             self.lm_head_packed = self.embed_tokens.matrix.pack()
         else:
             weight = self.embed_tokens.weight
             self.lm_head_packed = pack_weight(weight)
-            self.lm_head_few_rows = pack_few_rows(weight)
+            self.lm_head_few_rows = pack_few_rows(weight,
+                                                  blocks.pop("model.embed_tokens.weight", None))
         matrices.clear()
+        blocks.clear()
         for layer in self.layers:
             layer.fuse()
         return packed_form(self.layers[0].self_attn.qkv_proj.weight)

@@ -39,6 +39,9 @@ from freetoken.ops.gguf import (
     is_gguf_matrix,
 )
 from freetoken.ops.linear import (
+    GGUF_PANEL_TYPES,
+    gguf_panel_type,
+    pack_gguf_panels,
     pack_panels,
     panel_linear,
     panel_linear_available,
@@ -48,11 +51,12 @@ from freetoken.ops.sampling import gumbel_noise, sample_tokens
 from freetoken.ops.topk import MAX_K, topk_logprobs
 
 __all__ = [
-    "BACKENDS", "CPU_ISAS", "LINEAR_MODES", "MAX_K", "OpsConfig",
+    "BACKENDS", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K", "OpsConfig",
     "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
     "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
     "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_row_bytes",
-    "gumbel_noise", "is_gguf_matrix", "pack_panels", "paged_attention",
+    "gguf_panel_type", "gumbel_noise", "is_gguf_matrix", "pack_gguf_panels", "pack_panels",
+    "paged_attention",
     "paged_attention_available", "panel_linear", "panel_linear_available", "panel_shape",
     "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs",
 ]

@@ -6,8 +6,9 @@ ops' one process-wide configuration.
 
 backend: auto (the extension where it supports the device, else the torch twin) | ext (the
 extension or an error) | torch (always the twin). linear: the model's linear forms (see
-freetoken/model/linear.py): auto | panels (no GGUF blocks) | onednn (no panels) | torch
-(F.linear). cpu_isa: auto (cpuid) | avx512 | avx2 | base, the CPU kernels' variant.
+freetoken/model/linear.py): auto | gguf (a GGUF's weights in place, whatever its size) |
+panels (no GGUF blocks) | onednn (no panels) | torch (F.linear). cpu_isa: auto (cpuid) | avx512
+| avx2 | base, the CPU kernels' variant.
 pool_poll_us: how long the kernels' thread pool polls between calls before it sleeps (None: 200;
 0: sleep at once; csrc/common/task_pool.h). Nothing here reads the environment: the CLI (or a
 script's flags) decides and calls configure, before the model loads (packing follows `linear`).
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 # that lacks one is stale, and loading it is an error rather than a silent fallback.
 _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "add_rms_norm",
               "silu_mul", "rope_", "cuda_compiled", "cpu_isa", "set_cpu_isa", "set_pool_poll_us",
-              "panel_pack", "gguf_matrix", "panel_shape", "panel_linear", "DecoderLayer",
-              "gguf_dequantize", "gguf_dequantize_types")
+              "panel_pack", "gguf_pack", "gguf_matrix", "panel_shape", "panel_linear",
+              "DecoderLayer", "gguf_dequantize", "gguf_dequantize_types")
 
 try:
     from freetoken import _C  # noqa: N813
@@ -47,7 +48,7 @@ if _C is not None:
                           f"pip install --no-build-isolation -e .")
 
 BACKENDS = ("auto", "ext", "torch")
-LINEAR_MODES = ("auto", "panels", "onednn", "torch")
+LINEAR_MODES = ("auto", "gguf", "panels", "onednn", "torch")
 CPU_ISAS = ("auto", "avx512", "avx2", "base")
 DEFAULT_POOL_POLL_US = 200
 

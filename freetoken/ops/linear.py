@@ -1,10 +1,11 @@
 """The panel linear: y = x @ W^T (+ bias) over a weight packed once into panels of 16 rows, fp32 or
-bf16 (csrc/linear/linear_cpu.cpp), or over a GGUF weight left in its file's blocks (the
-descriptor from ops.gguf_matrix, csrc/linear/gguf_linear.cpp).
+bf16 (csrc/linear/linear_cpu.cpp), or from a GGUF file's Q4_1 / Q8_0 blocks dequantized exactly
+in registers (csrc/linear/quant_linear_cpu.cpp), for the small-M decode steps; or over a GGUF
+weight left in its file's blocks (the descriptor from ops.gguf_matrix, csrc/linear/gguf_linear.cpp).
 
-    pack_panels(weight) -> packed
+    pack_panels(weight) -> packed;  pack_gguf_panels(rows, type, in_features) -> packed
     panel_linear(x, packed, bias=None) -> x @ W^T (+ bias)
-    panel_linear_available(x), panel_shape(packed) -> (N, K)
+    panel_linear_available(x), panel_shape(packed) -> (N, K), gguf_panel_type(packed)
 
 CPU extension only, and no torch twin: the packed format has no meaning outside the kernel, so
 the caller keeps its own path where panel_linear_available() is False (freetoken/model/linear.py,
@@ -42,8 +43,43 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _C.panel_pack(weight.detach())
 
 
+GGUF_PANEL_TYPES = ("Q4_1", "Q8_0")
+_GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights in the GGUF file
+
+
+def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int) -> torch.Tensor:  # noqa: A002
+    """A weight W [N, K] as its GGUF file stores it (rows [N, K / 32 * block bytes] uint8 of
+    `type`, one of GGUF_PANEL_TYPES) -> packed panels (1-D uint8, the pack_panels header with
+    dtype 2 / 3) for panel_linear with fp32 x. Each weight is dequantized in registers to exactly
+    the fp32 value gguf.quants.dequantize gives (csrc/linear/quant_linear_cpu.cpp)."""
+    require_ext("pack_gguf_panels")
+    if type not in GGUF_PANEL_TYPES:
+        raise ValueError(f"pack_gguf_panels: type must be one of {GGUF_PANEL_TYPES}, got {type!r}")
+    if not isinstance(in_features, int) or in_features < 32 or in_features % 32:
+        raise ValueError(f"pack_gguf_panels: in_features must be a positive multiple of 32, "
+                         f"got {in_features!r}")
+    row_bytes = in_features // 32 * _GGUF_BLOCK_BYTES[type]
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 \
+            or rows.device.type != "cpu" or rows.shape[0] == 0 or rows.shape[1] != row_bytes:
+        raise ValueError(f"pack_gguf_panels: rows must be a uint8 CPU tensor [N >= 1, "
+                         f"{row_bytes}] ({type} blocks of {in_features} weights)")
+    return _C.gguf_pack(rows, type, in_features)
+
+
+def gguf_panel_type(packed: torch.Tensor) -> str | None:
+    """"Q4_1" / "Q8_0" for a tensor from pack_gguf_panels, None for one from pack_panels (or a
+    gguf_matrix descriptor)."""
+    from freetoken.ops.gguf import is_gguf_matrix
+
+    if packed.dtype != torch.uint8 or is_gguf_matrix(packed):
+        return None
+    panel_shape(packed)  # checks the header
+    return GGUF_PANEL_TYPES[int(packed[24]) - 2]  # header word 6, little-endian
+
+
 def panel_shape(packed: torch.Tensor) -> tuple[int, int]:
-    """(N, K) of a tensor from pack_panels or gguf_matrix (checks its header)."""
+    """(N, K) of a tensor from pack_panels, pack_gguf_panels or gguf_matrix (checks its
+    header)."""
     require_ext("panel_shape")
     n, k = _C.panel_shape(packed)
     return n, k
@@ -51,7 +87,7 @@ def panel_shape(packed: torch.Tensor) -> tuple[int, int]:
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] contiguous, of the packed weight's dtype (fp32 for a GGUF weight) -> x @ W^T
+    """x [..., K] contiguous, of the packed weight's dtype (fp32 for GGUF blocks) -> x @ W^T
     (+ bias [N], same dtype) [..., N] in that dtype, W = the weight that `packed` came from.
     fp32 sums (within fp32 rounding of x.double() @ W.double().T; bf16: that, rounded once);
     fastest for few rows
@@ -77,7 +113,7 @@ def _check_panel_args(x, packed, bias) -> None:
         n, k = panel_shape(packed)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None
-    dtype = torch.float32 if packed.dtype == torch.uint8 else packed.dtype  # GGUF: fp32
+    dtype = torch.float32 if packed.dtype == torch.uint8 else packed.dtype  # GGUF blocks: fp32
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype != dtype \
             or x.device.type != "cpu":
         raise ValueError(f"panel_linear: x must be a CPU tensor [..., K] of the weight's dtype "

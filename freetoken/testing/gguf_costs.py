@@ -8,6 +8,11 @@ report's ratios (peer_report.py).
 
 from __future__ import annotations
 
+# The weights FreeToken fuses into one linear (model/llama.py); GGUFBlocks.fuse keeps the blocks
+# of a fused group only when every part has blocks of one type, else the group runs fp32 panels.
+FUSED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+         ("ffn_gate.weight", "ffn_up.weight"))
+
 
 def model_shape(path: str) -> dict:
     """Architecture numbers and weight bytes read from the GGUF header (no weights loaded).
@@ -57,11 +62,21 @@ def _by_type(pairs) -> dict[str, int]:
     return out
 
 
-def fp32_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]]:
-    """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads: a matrix whose
-    type is in `block_types` as the file's blocks, in place (model/linear.py GGUFMatrix; a fused
-    q|k|v may mix types), every other one as fp32 panels (4 bytes a weight); norms as the file
-    has them."""
+def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
+    """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads. A model over
+    IN_PLACE_MIN_BYTES as fp32 computes in place (model/linear.py GGUFMatrix; a fused q|k|v may
+    mix types): its matrices as the file's blocks; a smaller one is dequantized at load
+    (_dequantized_step_weights). `block_types`: the types of the blocks kept (in place: those
+    the kernel takes; dequantized: Q4_1 / Q8_0)."""
+    from freetoken.model.linear import GGUF_BLOCK_TYPES, IN_PLACE_MIN_BYTES
+
+    if 4 * s["params"] <= IN_PLACE_MIN_BYTES:
+        return _dequantized_step_weights(
+            s, GGUF_BLOCK_TYPES if block_types is None else block_types)
+    if block_types is None:
+        from freetoken.ops.backend import _C
+
+        block_types = tuple(_C.gguf_matrix_types()) if _C is not None else ()
     forms = []
     for t in s["step_tensors"]:
         if t["dims"] < 2:
@@ -70,6 +85,32 @@ def fp32_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]]:
             forms.append((f"{t['type']} blocks", t["bytes"]))
         else:
             forms.append((f"fp32 panels of {t['type']}", 4 * t["elements"]))
+    by_form = _by_type(forms)
+    return sum(by_form.values()), by_form
+
+
+def _dequantized_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]]:
+    """fp32_step_weights of a model dequantized at load (under IN_PLACE_MIN_BYTES as fp32): a
+    matrix whose type is in `block_types` (and, in a fused group, every part of one such type)
+    as the file's Q4_1 / Q8_0 blocks, every other one as fp32 panels (4 bytes a weight); norms as
+    the file has them."""
+    groups: dict[str, list[dict]] = {}
+    for t in s["step_tensors"]:
+        key = t["name"]
+        for group in FUSED:
+            if t["name"].endswith(group):
+                key = t["name"].rsplit(".", 2)[0] + "/" + "+".join(group)
+        groups.setdefault(key, []).append(t)
+    forms = []
+    for parts in groups.values():
+        types = {t["type"] for t in parts}
+        blocks = len(types) == 1 and types <= set(block_types)
+        for t in parts:
+            if t["dims"] < 2 or blocks:
+                forms.append((f"{t['type']} blocks" if t["dims"] >= 2 else
+                              f"{t['type']} vectors", t["bytes"]))
+            else:
+                forms.append((f"fp32 panels of {t['type']}", 4 * t["elements"]))
     by_form = _by_type(forms)
     return sum(by_form.values()), by_form
 
@@ -89,18 +130,14 @@ def flops_per_token(s: dict, ctx: float) -> float:
 def decode_bytes(s: dict, block_types=None) -> dict:
     """What one decode step of each system reads: its weights in the form its decode steps read
     them (bytes, every linear and the lm_head once; the embedding lookup reads one row), and its
-    KV per token of context per stream (K and V of every layer). `block_types`: the GGUF types
-    FreeToken fp32 computes with in place (default: those its kernel takes here)."""
-    if block_types is None:
-        from freetoken.ops.backend import _C
-
-        block_types = tuple(_C.gguf_matrix_types()) if _C is not None else ()
+    KV per token of context per stream (K and V of every layer). `block_types`: as for
+    fp32_step_weights."""
     kv_elems = s["layers"] * 2 * s["kv_heads"] * s["head_dim"]
     linear_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
     fp32_weights, fp32_forms = fp32_step_weights(s, block_types)
     file_forms = _by_type((t["type"], t["bytes"]) for t in s["step_tensors"])
     return {
-        # every step reads the file's blocks in place (model/linear.py GGUFMatrix)
+        # in place over 1 GiB as fp32; below, few-row steps read the Q4_1 / Q8_0 blocks
         "freetoken-fp32": {"weights": fp32_weights, "kv_per_token": 4 * kv_elems,
                            "weights_read_as": f"{_forms(fp32_forms)}, fp32 KV"},
         "freetoken-bf16": {"weights": 2 * linear_params, "kv_per_token": 2 * kv_elems,

@@ -123,12 +123,26 @@ def test_model_logits_same_in_every_form(tiny_checkpoint, ops_config):
 
 
 @needs_panels
-def test_smollm2_weights_stay_in_the_files_blocks(smollm2_fp32):
-    """fp32 GGUF on the CPU: every projection, the tied lm_head and the embedding read the
-    file's memory map in place; the logits are those of the dequantized weights."""
+def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
+    m = smollm2_fp32.model
+    assert packed_form(m.layers[0].mlp.down_proj.weight) == "panels"
+    assert m.lm_head is None and packed_form(m.lm_head_packed) == "panels"
+    assert m.logits_width == 49152
+    h = torch.randn(3, m.config.hidden_size)
+    torch.testing.assert_close(m.compute_logits(h), F.linear(h, m.embed_tokens.weight),
+                               atol=1e-4, rtol=1e-5)
+
+
+@needs_panels
+def test_smollm2_weights_stay_in_the_files_blocks(smollm2_path, smollm2_fp32, ops_config):
+    """linear "gguf" (what "auto" does for models over 1 GiB as fp32): every projection, the
+    tied lm_head and the embedding read the file's memory map in place; the logits are those of
+    the dequantized weights, and the embedding's rows are exactly theirs."""
+    from freetoken.loader import load_model
     from freetoken.model.llama import GGUFEmbedding
 
-    m = smollm2_fp32.model
+    ops_config(linear="gguf")
+    m = load_model(smollm2_path, load_tokenizer=False, progress=False).model
     assert packed_form(m.layers[0].mlp.down_proj.weight) == "gguf"
     assert m.lm_head is None and packed_form(m.lm_head_packed) == "gguf"
     assert isinstance(m.embed_tokens, GGUFEmbedding) and m.logits_width == 49152
@@ -137,8 +151,15 @@ def test_smollm2_weights_stay_in_the_files_blocks(smollm2_fp32):
         ops.gguf_row_bytes(table.types[0], table.in_features))], table.types[0], 576)
     ids = torch.tensor([0, 5, 49151, 5])
     assert torch.equal(m.embed_tokens(ids), weight[ids])
+    assert torch.equal(weight, smollm2_fp32.model.embed_tokens.weight)
     h = torch.randn(3, m.config.hidden_size)
     torch.testing.assert_close(m.compute_logits(h), F.linear(h, weight), atol=1e-4, rtol=1e-5)
+    seqs = [(list(range(3, 40)), 0, [0, 1, 2]), ([5, 6, 7], 0, [3])]
+    out = []
+    for model in (m, smollm2_fp32.model):
+        kv = model.make_kv_cache(8, 16)
+        out.append(model.compute_logits(model.forward(build_forward_batch(seqs, 16), kv)))
+    torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)
 
 
 @needs_panels

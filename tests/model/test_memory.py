@@ -19,30 +19,35 @@ def header_counts(path):
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
     embed = next(int(t.n_elements) for t in tensors if t.name == "token_embd.weight")
     file_bytes = sum(int(t.n_bytes) for t in tensors)
-    return params, matrices, embed, file_bytes
+    blocks = sum(int(t.n_bytes) for t in tensors
+                 if len(t.shape) == 2 and t.tensor_type.name in ("Q4_1", "Q8_0"))
+    return params, matrices, embed, file_bytes, blocks
 
 
 def test_smollm2_weights_by_dtype_and_device(smollm2_path, ops_config):
-    """fp32 on the CPU: the file's blocks, served in place; dequantized to fp32 panels (linear
-    "panels"): every parameter and the tied lm_head's packed copy; bf16: half the bytes, but a
-    second copy of every matrix; on a GPU: the parameters only."""
-    params, matrices, embed, file_bytes = header_counts(smollm2_path)
-    in_place = weight_bytes(smollm2_path, torch.float32, "cpu")
-    assert in_place.total == file_bytes and "memory-mapped" in in_place.detail
-    assert 80 * 2**20 < file_bytes < 100 * 2**20
+    """fp32 on the CPU (auto: SmolLM2 is under 1 GiB as fp32): every parameter, the tied
+    lm_head's packed copy, the Q4_1 / Q8_0 blocks; served in place (linear "gguf"): the file's
+    tensor bytes; bf16: half the bytes, but a second copy of every matrix; on a GPU: the
+    parameters only."""
+    params, matrices, embed, file_bytes, blocks = header_counts(smollm2_path)
+    assert weight_bytes(smollm2_path, torch.float32, "cpu").total == \
+        4 * params + 4 * embed + blocks
     assert weight_bytes(smollm2_path, torch.bfloat16, "cpu").total == \
         2 * params + 2 * embed + 2 * matrices
     assert weight_bytes(smollm2_path, torch.float32, "cuda").total == 4 * params
-    ops_config(linear="panels")
-    assert weight_bytes(smollm2_path, torch.float32, "cpu").total == 4 * params + 4 * embed
+    assert 0.6 * GiB < weight_bytes(smollm2_path, torch.float32, "cpu").total < 0.8 * GiB
+    ops_config(linear="gguf")
+    in_place = weight_bytes(smollm2_path, torch.float32, "cpu")
+    assert in_place.total == file_bytes and "memory-mapped" in in_place.detail
+    assert 80 * 2**20 < file_bytes < 100 * 2**20
 
 
 def test_a_model_that_cannot_fit_is_refused_with_both_figures(smollm2_path):
     with pytest.raises(MemoryError) as err:
-        check_fits(smollm2_path, torch.float32, "cpu", kv_bytes=GiB // 2, available=GiB // 2)
+        check_fits(smollm2_path, torch.float32, "cpu", kv_bytes=GiB // 2, available=GiB)
     msg = str(err.value)
-    assert "0.1 GiB for its weights" in msg and "0.5 GiB for the KV pool" in msg
-    assert "0.5 GiB available" in msg and "--kv-cache-memory" in msg
+    assert "0.7 GiB for its weights" in msg and "0.5 GiB for the KV pool" in msg
+    assert "1.0 GiB available" in msg and "--kv-cache-memory" in msg
     check_fits(smollm2_path, torch.float32, "cpu", kv_bytes=GiB // 2, available=4 * GiB)
     check_fits(smollm2_path, torch.float32, "cuda", kv_bytes=GiB, available=1)  # not ours
 

@@ -380,7 +380,7 @@ def test_forced_backend(mode, expect):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(backend="gpu"), "backend must be one of auto, ext, torch, got 'gpu'"),
-    (dict(linear="fast"), "linear must be one of auto, panels, onednn, torch, got 'fast'"),
+    (dict(linear="fast"), "linear must be one of auto, gguf, panels, onednn, torch, got 'fast'"),
     (dict(cpu_isa="neon"), "cpu_isa must be one of auto, avx512, avx2, base, got 'neon'"),
     (dict(pool_poll_us=-1), "pool_poll_us must be an int >= 0, got -1"),
     (dict(pool_poll_us=1.5), "pool_poll_us must be an int >= 0, got 1.5"),

@@ -155,9 +155,14 @@ def test_bytes_per_step_count_the_files_own_k_quant_blocks(tiny_q4_k_m):
     fp32 = cb.decode_bytes(s, ("Q4_1", "Q8_0"))["freetoken-fp32"]
     assert fp32["weights"] == 4 * params + norms
     assert "fp32 panels of Q4_K" in fp32["weights_read_as"]
-    # with them: the file's blocks in place, a q|k|v fused from two types included
+    # with them: the blocks, except layer 1's q/k/v, fused from two types (GGUFBlocks.fuse)
     blocks = cb.decode_bytes(s, ("Q4_K", "Q6_K"))["freetoken-fp32"]
-    assert blocks["weights"] == s["gguf_step_bytes"]
+    qkv1 = nbytes("Q4_K", h, h) + nbytes("Q4_K", kv, h) + nbytes("Q6_K", kv, h)
+    assert blocks["weights"] == s["gguf_step_bytes"] - qkv1 + 4 * (h * h + 2 * kv * h)
+    # a model over 1 GiB as fp32 computes in place: the file's blocks, mixed q|k|v included
+    big = {**s, "params": (1 << 30) // 4 + 1}
+    assert cb.decode_bytes(big, ("Q4_K", "Q6_K"))["freetoken-fp32"]["weights"] == \
+        s["gguf_step_bytes"]
     assert cb.decode_bytes(s, ("Q4_K", "Q6_K"))["llama-server"]["weights"] == \
         s["gguf_step_bytes"]
 

@@ -1,0 +1,301 @@
+// The panel linear over GGUF blocks: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in
+// the GGUF file's Q4_1 or Q8_0 blocks and each weight is dequantized in registers to exactly the
+// fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
+//
+// Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
+// layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
+// as Q4_1 blocks are 80 MB (fp32 scales), and dequantizing them costs ~4 vector ops per 16
+// weights, shared by every row of the step. The results are the fp32 model's: no activation
+// is quantized, no product is rounded differently from the fp32 kernel's.
+//
+// Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
+// d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
+// once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit.
+//
+// Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into
+// blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
+// j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
+// the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
+// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
+//
+// Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators, KU
+// interleaved partial sums for small MR; per block row the dequantized vector is shared by the
+// MR FMAs. Threads: panel ranges over the TaskPool, small calls on the caller.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "linear/panel_common.h"
+
+namespace freetoken {
+
+using panel::Format;
+using panel::in_register;
+using panel::kNR;
+using panel::kQ4_1BlockBytes;
+using panel::kQ8_0BlockBytes;
+using panel::loadu;
+using panel::Vec;
+
+namespace {
+
+constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
+constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
+// NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
+// every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
+// waiting on them (SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole decode
+// step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike; prefetcht0 = nta here).
+constexpr int64_t kPrefetchBytes = 1536;
+// NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
+// fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
+constexpr double kSplitNs = panel::kInlineNs;
+
+struct Args {
+  const float* x;     // [M, K], rows contiguous (read in place: no transposed copy)
+  const uint8_t* w;   // panels
+  const float* bias;  // [N] or null
+  float* y;           // [M, N]
+  int64_t M, N, K;
+};
+
+
+// float(w & 15) in each lane. On 16 lanes it is one vpermps from the table 0..15, which reads
+// only an index's low 4 bits: no mask and no convert (__builtin_shuffle takes its indices
+// modulo the lane count).
+template <int L>
+FT_INLINE typename Vec<L>::f nibble(typename Vec<L>::u w) {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  if constexpr (L == 16) {
+    const vf table = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f,
+                      8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f};
+    return __builtin_shuffle(table, vi(w));
+  } else {
+    return __builtin_convertvector(vi(w & 15u), vf);
+  }
+}
+
+// Row t of a group of packed words as fp32 weights (module comment: the layout). Q4_1: the
+// nibble at bits 4 t, times d, plus m. Q8_0: the byte at bits 8 t moved to the top, then an
+// arithmetic shift down, times d.
+template <int L, Format F>
+FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename Vec<L>::f d,
+                                        typename Vec<L>::f m) {
+  using vf = typename Vec<L>::f;
+  using vi = typename Vec<L>::i;
+  if constexpr (F == panel::kQ4_1) {
+    return nibble<L>(word >> (4 * t)) * d + m;
+  } else {
+    (void)m;
+    return __builtin_convertvector(vi(word << (24 - 8 * t)) >> 24, vf) * d;
+  }
+}
+
+// Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
+template <int L, int MR, Format F>
+FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+  using vf = typename Vec<L>::f;
+  // NOTE: the blocks are read as 32-bit lanes only: GCC 12 scalarizes a widening
+  // __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics
+  // cannot serve the three ISA variants of one template.
+  using vu = typename Vec<L>::u;
+  constexpr int V = kNR / L;
+  constexpr int KU = panel::partial_sums(MR * V);  // k unroll
+  constexpr bool kQ41 = F == panel::kQ4_1;
+  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
+  constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
+  const int64_t K = a.K, nb = K / 32;
+  const float* xr[MR];  // the chunk's rows
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * K;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* blk = a.w + p * nb * kBlock;
+    vf acc[KU][MR][V];
+    panel::zero(acc);
+    for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(blk + kPrefetchBytes + l, 0, 3);
+      const float* dp = reinterpret_cast<const float*>(blk);
+      vf d[V], mn[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) {
+        d[v] = loadu<L>(dp + v * L);
+        mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+      }
+      const uint8_t* q = blk + kScales * kNR * 4;
+#pragma GCC unroll 8
+      for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+        vu words[V];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+#pragma GCC unroll 8
+        for (int t = 0; t < kRows; ++t) {
+          const int k = kRows * g + t;
+          vf w[V];
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v)
+            w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
+#pragma GCC unroll 64
+          for (int m = 0; m < MR; ++m) {
+            const float xs = xr[m][b * 32 + k];
+#pragma GCC unroll 64
+            for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
+          }
+        }
+      }
+    }
+    panel::store_sums<L>(acc, a.y + r0 * a.N, a.N, p * kNR, a.bias);
+  }
+}
+
+// MR from the run-time row count mr (1..MR): one instantiation per value.
+template <int L, int MR, Format F>
+FT_INLINE void gguf_panels_rows(const Args& a, int mr, int64_t r0, int64_t p0, int64_t p1) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return gguf_panels_rows<L, MR - 1, F>(a, mr, r0, p0, p1);
+  }
+  gguf_panels<L, MR, F>(a, r0, p0, p1);
+}
+
+// Panels [p0, p1) for every row: rows in equal chunks of at most MRMAX, each chunk walking an
+// L2-sized range of panels (the blocks then come from DRAM once).
+template <int L, int MRMAX, Format F>
+FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
+  const int64_t chunks = (a.M + MRMAX - 1) / MRMAX;
+  const int64_t block = chunks == 1 ? p1 - p0 : std::max<int64_t>(
+      1, kBlockPanelsBytes / panel::panel_bytes(F, a.K));
+  for (int64_t b0 = p0; b0 < p1; b0 += block) {
+    const int64_t b1 = std::min(p1, b0 + block);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = a.M * c / chunks, r1 = a.M * (c + 1) / chunks;
+      gguf_panels_rows<L, MRMAX, F>(a, static_cast<int>(r1 - r0), r0, b0, b1);
+    }
+  }
+}
+
+// Registers: AVX-512 holds 8 rows' accumulators and the block's vectors in its 32; AVX2 (two
+// vectors a panel row) 3 rows in 16; SSE2 (four) 1.
+template <Format F>
+FT_TARGET_AVX512 void run_avx512(const Args& a, int64_t p0, int64_t p1) {
+  run<16, 8, F>(a, p0, p1);
+}
+template <Format F>
+FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) {
+  run<8, 3, F>(a, p0, p1);
+}
+template <Format F>
+void run_base(const Args& a, int64_t p0, int64_t p1) {
+  run<4, 1, F>(a, p0, p1);
+}
+
+struct Kernel {
+  void (*run)(const Args&, int64_t, int64_t);
+  int64_t mr_max;
+};
+
+template <Format F>
+Kernel pick_kernel() {
+  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
+  if (isa == Isa::kAvx512) return {&run_avx512<F>, 8};
+  if (isa == Isa::kAvx2) return {&run_avx2<F>, 3};
+  return {&run_base<F>, 1};
+}
+
+float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, sizeof h);
+  return static_cast<float>(h);  // exact
+}
+
+// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero.
+void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N, int64_t K,
+                      uint8_t* dst) {
+  const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
+  const int64_t block = f == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  std::memset(dst, 0, P * nb * block);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* out = dst + (p * nb + b) * block;
+      float* d = reinterpret_cast<float*>(out);
+      for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
+        const uint8_t* s = src + (p * kNR + j) * row_bytes + b * source;
+        d[j] = half_at(s);
+        if (f == panel::kQ4_1) {
+          d[kNR + j] = half_at(s + 2);
+          const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
+          uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
+          for (int k = 0; k < 32; ++k) {
+            const uint32_t q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+            words[(k / 8) * kNR + j] |= q << (4 * (k % 8));
+          }
+        } else {
+          uint32_t* words = reinterpret_cast<uint32_t*>(out + kNR * 4);
+          for (int k = 0; k < 32; ++k)
+            words[(k / 4) * kNR + j] |= uint32_t{s[2 + k]} << (8 * (k % 4));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K) {
+  const Format f = type == "Q4_1" ? panel::kQ4_1 : panel::kQ8_0;
+  TORCH_CHECK(type == "Q4_1" || type == "Q8_0", "pack_gguf_panels: type must be Q4_1 or Q8_0, "
+              "got ", type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "pack_gguf_panels: blocks must be a 2-D uint8 CPU tensor [N, row bytes]");
+  TORCH_CHECK(K >= 32 && K % 32 == 0 && K <= INT32_MAX,
+              "pack_gguf_panels: K must be a positive multiple of 32, got ", K);
+  const int64_t N = blocks.size(0);
+  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / 32 * source,
+              "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / 32 * source,
+              " bytes; blocks is [", N, ", ", blocks.size(1), "]");
+  const at::Tensor src = blocks.contiguous();
+  const int64_t P = (N + kNR - 1) / kNR;
+  at::Tensor out = at::empty({panel::kHeaderBytes + P * panel::panel_bytes(f, K)},
+                             blocks.options());
+  panel::advise_huge_pages(out.data_ptr(), out.numel());
+  panel::write_header(out, N, K, f);
+  fill_gguf_panels(src.data_ptr<uint8_t>(), src.size(1), f, N, K,
+                   out.data_ptr<uint8_t>() + panel::kHeaderBytes);
+  return out;
+}
+
+namespace panel {
+
+void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
+                       const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>() : pick_kernel<kQ8_0>();
+  // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
+  // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
+  // could start, per call; the broadcasts hit L1 either way.
+  Args a{x.data_ptr<float>(), packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(),
+         M, h.N, h.K};
+  // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
+  // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
+  const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);
+  const double weights = static_cast<double>(h.P) * kNR * h.K;
+  const double est_ns = std::max({h.P * panel_bytes(h.format, h.K) / 20.0,
+                                  chunks * weights / 12.0, 2.0 * M * weights / 80.0});
+  const int nthreads = est_ns < kSplitNs ? 1 : at::get_num_threads();
+  // Tasks: a few contiguous panel ranges per thread (dynamic claiming absorbs a late helper).
+  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, h.P);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
+    kern.run(a, h.P * t / n, h.P * (t + 1) / n);
+  });
+}
+
+}  // namespace panel
+}  // namespace freetoken

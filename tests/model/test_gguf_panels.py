@@ -1,0 +1,171 @@
+"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0
+blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
+loader's dequantization gives (gguf.quants), on every ISA variant; the products are held to an
+fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit for bit.
+The model then gives the same logits with and without the blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken import ops
+
+gguf = pytest.importorskip("gguf")
+
+pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
+                                reason="freetoken._C with panel_linear not built")
+
+RTOL = 1e-5  # as tests/test_panel_linear.py: |y - ref| <= RTOL * (|x| @ |W|^T + |b|)
+# Rows up to which the GGUF kernel and the fp32 panels use the same chunks and partial sums.
+SAME_SUMS_ROWS = {"avx512": 8, "avx2": 3, "base": 1}
+TYPES = ["Q4_1", "Q8_0"]
+
+
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def random_blocks(type_: str, n: int, k: int, seed: int = 0):
+    """Random GGUF rows [n, k / 32 * block bytes] -> (rows uint8 tensor, the loader's fp32 W).
+    Scales cover fp16's range: normal, subnormal, zero and negative values."""
+    rng = np.random.default_rng(seed)
+    nb = n * k // 32
+    scales = rng.standard_normal((nb, 2)).astype(np.float32) * 0.05
+    scales[rng.random((nb, 2)) < 0.05] = 3e-7  # fp16 subnormal
+    scales[rng.random((nb, 2)) < 0.02] = 0.0
+    scales[rng.random((nb, 2)) < 0.02] *= 4000.0
+    half = scales.astype(np.float16).view(np.uint8).reshape(nb, 4)
+    if type_ == "Q4_1":
+        raw = np.concatenate([half, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
+    else:
+        raw = np.concatenate([half[:, :2], rng.integers(0, 256, (nb, 32), dtype=np.uint8)],
+                             axis=1)
+    raw = raw.reshape(n, -1)
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_])
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(
+        np.asarray(w, dtype=np.float32).reshape(n, k).copy())
+
+
+def weights_of(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 W the kernel uses: x = I gives y = W^T exactly (one product per output)."""
+    return ops.panel_linear(torch.eye(k), packed).T.contiguous()
+
+
+@pytest.mark.parametrize("type_", TYPES)
+@pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (17, 96), (40, 576)])
+def test_weights_are_the_loaders_bit_for_bit(isa, type_, n, k):
+    rows, w = random_blocks(type_, n, k, seed=n + k)
+    packed = ops.pack_gguf_panels(rows, type_, k)
+    assert ops.panel_shape(packed) == (n, k) and ops.gguf_panel_type(packed) == type_
+    assert torch.equal(weights_of(packed, k), w)
+
+
+def test_the_real_models_tensors_bit_for_bit(smollm2_path):
+    reader = gguf.GGUFReader(str(smollm2_path))
+    tensors = {t.name: t for t in reader.tensors}
+    for name, rows_kept in (("blk.0.attn_q.weight", None), ("blk.29.ffn_down.weight", None),
+                            ("token_embd.weight", 700)):
+        t = tensors[name]
+        k, n = (int(s) for s in t.shape)
+        raw = np.asarray(t.data).reshape(n, -1)[:rows_kept]
+        w = gguf.quants.dequantize(raw, t.tensor_type)
+        packed = ops.pack_gguf_panels(torch.from_numpy(np.array(raw)), t.tensor_type.name, k)
+        assert torch.equal(weights_of(packed, k), torch.from_numpy(np.asarray(w, np.float32)))
+
+
+@pytest.mark.parametrize("type_", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 37])
+@pytest.mark.parametrize("n,k", [(17, 64), (200, 576), (1536, 576)])
+def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
+    rows, w = random_blocks(type_, n, k, seed=3)
+    g = torch.Generator().manual_seed(m * 31 + n)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    packed = ops.pack_gguf_panels(rows, type_, k)
+    for bias in (None, b):
+        y = ops.panel_linear(x, packed, bias)
+        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        bound = x.double().abs() @ w.double().abs().T + (0 if bias is None else b.abs().double())
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert ((y.double() - ref).abs() <= RTOL * bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("type_", TYPES)
+def test_same_sums_as_the_fp32_panels(isa, type_):
+    rows, w = random_blocks(type_, 100, 576, seed=5)
+    blocks, plain = ops.pack_gguf_panels(rows, type_, 576), ops.pack_panels(w)
+    for m in range(1, SAME_SUMS_ROWS[isa] + 1):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(ops.panel_linear(x, blocks), ops.panel_linear(x, plain)), m
+
+
+def test_the_packed_form_survives_clone_and_save(tmp_path):
+    rows, w = random_blocks("Q4_1", 33, 64)
+    packed = ops.pack_gguf_panels(rows, "Q4_1", 64)
+    torch.save(packed.clone(), tmp_path / "p.pt")
+    again = torch.load(tmp_path / "p.pt")
+    x = torch.randn(4, 64)
+    assert torch.equal(ops.panel_linear(x, again), ops.panel_linear(x, packed))
+
+
+def test_bad_inputs_are_refused():
+    rows, _ = random_blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="type must be one of"):
+        ops.pack_gguf_panels(rows, "Q4_K", 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.pack_gguf_panels(rows, "Q4_1", 48)
+    with pytest.raises(ValueError, match=r"\[N >= 1, 40\]"):
+        ops.pack_gguf_panels(rows[:, :30], "Q4_1", 64)
+    with pytest.raises(ValueError, match="uint8"):
+        ops.pack_gguf_panels(rows.to(torch.int16), "Q4_1", 64)
+    with pytest.raises(ValueError, match="must be a uint8"):  # Q8_0 rows are 68 bytes here
+        ops.pack_gguf_panels(rows, "Q8_0", 64)
+    packed = ops.pack_gguf_panels(rows, "Q4_1", 64)
+    with pytest.raises(ValueError, match="weight's dtype"):
+        ops.panel_linear(torch.randn(2, 64, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="K = 32"):
+        ops.panel_linear(torch.randn(2, 32), packed)
+    broken = packed.clone()
+    broken[24] = 7  # the format word
+    with pytest.raises(ValueError, match="format"):
+        ops.panel_linear(torch.randn(2, 64), broken)
+    with pytest.raises(ValueError, match="size"):
+        ops.panel_linear(torch.randn(2, 64), packed[:-384])
+
+
+def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, ops_config):
+    """SmolLM2 fp32 takes its Q4_1 / Q8_0 blocks for steps of <= FEW_ROWS rows; with
+    ops.configure(linear="panels") it does not. A decode step of 1..8 sequences gives the same
+    logits (bit for bit on AVX-512, where the two kernels sum in the same order)."""
+    from freetoken.engine.generate import build_forward_batch
+    from freetoken.loader import load_model
+    from freetoken.model.linear import FEW_ROWS, few_rows_form
+
+    with_blocks = smollm2_fp32.model
+    assert few_rows_form(with_blocks.layers[3].self_attn.qkv_proj.few_rows) == "Q4_1"
+    assert few_rows_form(with_blocks.layers[3].mlp.down_proj.few_rows) == "Q4_1"
+    assert few_rows_form(with_blocks.lm_head_few_rows) == "Q8_0"
+    ops_config(linear="panels")
+    plain = load_model(smollm2_path, load_tokenizer=False, progress=False).model
+    assert plain.layers[3].self_attn.qkv_proj.few_rows is None and plain.lm_head_few_rows is None
+    prompt = list(range(100, 140))
+    for n in (1, 3, FEW_ROWS):
+        out = []
+        for m in (with_blocks, plain):
+            kv = m.make_kv_cache(64, 16)
+            m.forward(build_forward_batch([(prompt[:20 + s], 0, [4 * s, 4 * s + 1])
+                                           for s in range(n)], 16), kv)
+            step = build_forward_batch([([prompt[20 + s]], 20 + s, [4 * s, 4 * s + 1])
+                                        for s in range(n)], 16)
+            out.append(m.compute_logits(m.forward(step, kv)))
+        if ops.cpu_isa() == "avx512":
+            assert torch.equal(out[0], out[1]), n
+        else:
+            torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)
