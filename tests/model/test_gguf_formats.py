@@ -1,7 +1,9 @@
-"""Every GGUF weight format through the whole loader and model: a tiny Llama written in each
-type (random valid blocks, SmolLM2's tokenizer; freetoken.testing.gguf_files) gives the logits
-of transformers loading the same file (which dequantizes through the gguf package), within 1e-4,
-for a prefill and for the decode steps after it."""
+"""Every GGUF weight format through the whole loader and model, computed in place in the file's
+blocks (linear "gguf": what "auto" does for models over 1 GiB as fp32): a tiny Llama written in
+each type (random valid blocks, SmolLM2's tokenizer; freetoken.testing.gguf_files) gives the
+logits of transformers loading the same file (which dequantizes through the gguf package),
+within 1e-4, at two prompt lengths; and the same model dequantized at load ("panels") within
+1e-5, for a prefill step and the decode steps after it."""
 
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ def logits(loaded, ids: list[int], kv) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_logits_match_transformers(tmp_path, fmt):
+def test_logits_match_transformers(tmp_path, fmt, ops_config):
     transformers = pytest.importorskip("transformers")
     path = tmp_path / f"tiny.{fmt}.gguf"
     write(str(path), "tiny", fmt, seed=FORMATS.index(fmt))
+    ops_config(linear="gguf")
     ours = load_model(path, progress=False, load_tokenizer=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
@@ -40,3 +43,29 @@ def test_logits_match_transformers(tmp_path, fmt):
             want = ref(torch.tensor([PROMPT[:n]])).logits[0, -1].float()
         diff = float((got - want).abs().max())
         assert diff < 1e-4, (fmt, n, diff)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "q4_k_m", "Q8_0", "IQ4_XS"])
+def test_in_place_equals_the_dequantized_model(tmp_path, fmt, ops_config):
+    """A prefill of 17 tokens and 4 decode steps, in place and dequantized at load: the same
+    weights, fp32 both, only the summation order differs (1e-5)."""
+    from freetoken import ops
+    from freetoken.model.linear import packed_form
+
+    path = tmp_path / f"tiny.{fmt}.gguf"
+    write(str(path), "tiny", fmt, seed=7)
+    out = {}
+    for mode in ("gguf", "panels"):
+        ops_config(linear=mode)
+        loaded = load_model(path, progress=False, load_tokenizer=False)
+        qkv = loaded.model.layers[0].self_attn.qkv_proj.weight
+        assert packed_form(qkv) == ("gguf" if mode == "gguf" else
+                                    "panels" if ops.panel_linear_available(qkv) else "onednn")
+        kv = loaded.model.make_kv_cache(4, BLOCK_SIZE)
+        steps = [logits(loaded, PROMPT, kv)]
+        for i in range(4):  # decode: one new token at a time on the cached prompt
+            batch = build_forward_batch([([5 + i], len(PROMPT) + i, [0, 1])], BLOCK_SIZE)
+            steps.append(loaded.model.compute_logits(loaded.model.forward(batch, kv))[0])
+        out[mode] = torch.stack(steps)
+    diff = float((out["gguf"] - out["panels"]).abs().max())
+    assert diff < 1e-5, (fmt, diff)
