@@ -78,9 +78,11 @@ constexpr int kTile = 16;            // outputs per tile (a task's unit)
 // (50 KB) it ran from L2 at ~70 % of the fp32 panels' rate.
 constexpr int64_t kChunk = 256;
 constexpr int kFewRows = 8;          // steps of at most this many rows take the few-rows loop
-// NOTE: blocks are asked for this far ahead of the few-rows loop (prefetcht0), as the Q4_1 panels
-// did: one decode step reads every block from DRAM once.
-constexpr int64_t kPrefetchBytes = 1024;
+// NOTE: the few-rows loop asks for the block of the same position NR rows ahead (the next
+// register tile's rows, or the next tile's) while it decodes this one: one decode step reads
+// every block from DRAM once, and a row is short (a 2048-wide Q4_K row is 18 cache lines), too
+// short for the hardware prefetchers to ramp up on; prefetching 1 KB along the row itself mostly
+// fetched the next row, which the tile was about to read anyway.
 
 // --- the descriptor -----------------------------------------------------------------------------
 
@@ -588,6 +590,7 @@ FT_INLINE typename Vec<L>::f fma(typename Vec<L>::f w, typename Vec<L>::f x,
 // out[m][n] = the lane sums.
 template <int L, Type T, int MR, int NR>
 FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&rows)[NR],
+                             const uint8_t* const (&ahead)[NR],
                              float (&sums)[MR][NR][16]) {
   using D = DecoderFor<L, T>;
   using vf = typename Vec<L>::f;
@@ -605,10 +608,10 @@ FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&r
     D blk[NR];
 #pragma GCC unroll 16
     for (int n = 0; n < NR; ++n) {
-      __builtin_prefetch(rows[n] + b * B + kPrefetchBytes, 0, 3);
-      if constexpr (B > 64) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 64, 0, 3);
-      if constexpr (B > 128) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 128, 0, 3);
-      if constexpr (B > 192) __builtin_prefetch(rows[n] + b * B + kPrefetchBytes + 192, 0, 3);
+      __builtin_prefetch(ahead[n] + b * B, 0, 3);
+      if constexpr (B > 64) __builtin_prefetch(ahead[n] + b * B + 64, 0, 3);
+      if constexpr (B > 128) __builtin_prefetch(ahead[n] + b * B + 128, 0, 3);
+      if constexpr (B > 192) __builtin_prefetch(ahead[n] + b * B + 192, 0, 3);
       blk[n].open(rows[n] + b * B);
     }
     const float* xb = xr + b * kTypes[T].values;
@@ -652,9 +655,13 @@ FT_INLINE void few_rows_rows(const Call& c, int64_t n0, int64_t n1, int64_t m0) 
   constexpr int NR = few_rows_nr<L, MR>();
   for (int64_t n = n0; n < n1; n += NR) {
     const uint8_t* rows[NR];
-    for (int i = 0; i < NR; ++i) rows[i] = c.rows[std::min(n + i, n1 - 1)];  // tail: repeat
+    const uint8_t* ahead[NR];
+    for (int i = 0; i < NR; ++i) {
+      rows[i] = c.rows[std::min(n + i, n1 - 1)];  // tail: repeat
+      ahead[i] = c.rows[std::min(n + i + NR, c.N - 1)];
+    }
     float sums[MR][NR][16];
-    few_rows_tile<L, T, MR, NR>(c, m0, rows, sums);
+    few_rows_tile<L, T, MR, NR>(c, m0, rows, ahead, sums);
     for (int m = 0; m < MR; ++m)
       for (int i = 0; i < NR && n + i < n1; ++i)
         c.y[(m0 + m) * c.N + n + i] = reduce16(sums[m][i]) + (c.bias ? c.bias[n + i] : 0.f);
