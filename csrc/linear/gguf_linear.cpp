@@ -78,11 +78,12 @@ constexpr int kTile = 16;            // outputs per tile (a task's unit)
 // (50 KB) it ran from L2 at ~70 % of the fp32 panels' rate.
 constexpr int64_t kChunk = 256;
 constexpr int kFewRows = 8;          // steps of at most this many rows take the few-rows loop
-// NOTE: the few-rows loop asks for the block of the same position NR rows ahead (the next
-// register tile's rows, or the next tile's) while it decodes this one: one decode step reads
-// every block from DRAM once, and a row is short (a 2048-wide Q4_K row is 18 cache lines), too
-// short for the hardware prefetchers to ramp up on; prefetching 1 KB along the row itself mostly
-// fetched the next row, which the tile was about to read anyway.
+// NOTE: the few-rows loop asks for the block of the same position 4 NR rows ahead (the next
+// tile's rows) while it decodes this one: one decode step reads every block from DRAM once, and
+// a row is short (a 2048-wide Q4_K row is 18 cache lines), too short for the hardware
+// prefetchers to ramp up on; prefetching 1 KB along the row itself mostly fetched the next row,
+// which the tile was about to read anyway. The 1B file's layer linears at one row: 1 KB along
+// the row 58-74 ms, NR rows ahead 39-49, 4 NR 33-34 (8 NR: no clear change, a noisy run).
 
 // --- the descriptor -----------------------------------------------------------------------------
 
@@ -658,7 +659,7 @@ FT_INLINE void few_rows_rows(const Call& c, int64_t n0, int64_t n1, int64_t m0) 
     const uint8_t* ahead[NR];
     for (int i = 0; i < NR; ++i) {
       rows[i] = c.rows[std::min(n + i, n1 - 1)];  // tail: repeat
-      ahead[i] = c.rows[std::min(n + i + NR, c.N - 1)];
+      ahead[i] = c.rows[std::min(n + i + 4 * NR, c.N - 1)];
     }
     float sums[MR][NR][16];
     few_rows_tile<L, T, MR, NR>(c, m0, rows, ahead, sums);
