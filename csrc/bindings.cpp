@@ -104,6 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("base"), py::arg("row_offsets"), py::arg("types"), py::arg("ends"),
         py::arg("K"));
   m.def("gguf_matrix_types", &freetoken::gguf_matrix_types, "the GGUF types gguf_matrix takes");
+  m.def("is_gguf_matrix", &freetoken::is_gguf_matrix, "True for a descriptor from gguf_matrix",
+        py::arg("weight"));
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
   py::class_<freetoken::DecoderLayerCpu>(

@@ -127,47 +127,25 @@ Matrix read_matrix(const at::Tensor& d, const char* op) {
 // NOTE: inline asm, not intrinsics: these are called from templates compiled per ISA through
 // the entry points' target attributes (common/isa.h), where an intrinsic's own target check
 // fails; and GCC 12 scalarizes a widening __builtin_convertvector from uint8 lanes.
-template <int L>
-FT_INLINE typename Vec<L>::i widen_u8(const uint8_t* p) {
-  typename Vec<L>::i r;
-  if constexpr (L == 16) {
-    asm("vpmovzxbd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
-  } else {
-    static_assert(L == 8);
-    asm("vpmovzxbd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+// One widening load per ISA: `insn` reads L elements of `bytes` bytes each at p into L 32-bit
+// lanes (a zmm on AVX-512, a ymm on AVX2).
+#define FT_WIDENING_LOAD(name, insn, lanes, bytes)                                          \
+  template <int L>                                                                          \
+  FT_INLINE typename Vec<L>::lanes name(const uint8_t* p) {                                 \
+    static_assert(L == 16 || L == 8);                                                       \
+    typename Vec<L>::lanes r;                                                               \
+    if constexpr (L == 16) {                                                                \
+      asm(insn " %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16 * bytes]>(p))); \
+    } else {                                                                                \
+      asm(insn " %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[8 * bytes]>(p)));  \
+    }                                                                                       \
+    return r;                                                                               \
   }
-  return r;
-}
-template <int L>
-FT_INLINE typename Vec<L>::i widen_s8(const uint8_t* p) {
-  typename Vec<L>::i r;
-  if constexpr (L == 16) {
-    asm("vpmovsxbd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
-  } else {
-    asm("vpmovsxbd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
-  }
-  return r;
-}
-template <int L>
-FT_INLINE typename Vec<L>::u widen_u16(const uint8_t* p) {
-  typename Vec<L>::u r;
-  if constexpr (L == 16) {
-    asm("vpmovzxwd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[32]>(p)));
-  } else {
-    asm("vpmovzxwd %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
-  }
-  return r;
-}
-template <int L>
-FT_INLINE typename Vec<L>::f half_lanes(const uint8_t* p) {
-  typename Vec<L>::f r;
-  if constexpr (L == 16) {
-    asm("vcvtph2ps %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint8_t(*)[32]>(p)));
-  } else {
-    asm("vcvtph2ps %1, %0" : "=x"(r) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
-  }
-  return r;
-}
+FT_WIDENING_LOAD(widen_u8, "vpmovzxbd", i, 1)
+FT_WIDENING_LOAD(widen_s8, "vpmovsxbd", i, 1)
+FT_WIDENING_LOAD(widen_u16, "vpmovzxwd", u, 2)
+FT_WIDENING_LOAD(half_lanes, "vcvtph2ps", f, 2)
+#undef FT_WIDENING_LOAD
 
 template <int L>
 FT_INLINE typename Vec<L>::f to_float(typename Vec<L>::i q) {

@@ -185,41 +185,11 @@ def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, tor
 
 def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
     """Dequantise every tensor to fp32, keyed by HF names (reader.fields is not used)."""
-    import gguf
-
-    # NOTE: only the llama converter permutes q/k (for llama.cpp's RoPE layout); qwen2/qwen3
-    # GGUFs keep HF's row order (llama.cpp uses NEOX-style RoPE for them).
-    permute = config.arch in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     tensors = list(reader.tensors)
     start = time.perf_counter()
-    for i, t in enumerate(tensors):
-        name = _hf_name(t.name)
-        if name is None:
-            if t.name != "rope_freqs.weight":  # read into config.rope_scaling
-                raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
-            continue
-        ne = [int(n) for n in t.shape]  # gguf order: ne0 (the row length) first
-        if ops.gguf_dequantize_available(t.tensor_type.name):
-            rows = np.asarray(t.data).view(np.uint8).reshape(int(np.prod(ne[1:])), -1)
-            array = ops.dequantize_gguf(rows, t.tensor_type.name, ne[0]).numpy()
-        else:
-            try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as exc:
-                raise ValueError(
-                    f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, "
-                    f"which the gguf package cannot dequantise"
-                ) from exc
-        # float32 [ne1, ne0] = torch [out, in] layout
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(ne)))
-        if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = reverse_permute(array, config.num_heads)
-        elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = reverse_permute(array, config.num_kv_heads)
-        if not (array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, copy=True, order="C")  # F32 tensors are read-only memmaps
-        weights[name] = torch.from_numpy(array)
+    for i, (t, name) in enumerate(_model_tensors(tensors, config)):
+        weights[name] = _dequantized(t, config)
         if progress and (i + 1 == len(tensors) or i % 16 == 0):
             show_progress(f"dequantising {i + 1}/{len(tensors)} tensors "
                           f"({time.perf_counter() - start:.1f}s)")
@@ -228,8 +198,22 @@ def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str
     return weights
 
 
+def _model_tensors(tensors, config: ModelConfig):
+    """(tensor, HF name) of every weight; rope_freqs (read into config.rope_scaling) skipped, any
+    other unknown tensor a ValueError."""
+    for t in tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name != "rope_freqs.weight":
+                raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
+            continue
+        yield t, name
+
+
 def _unpermuted_order(name: str, config: ModelConfig, rows: int) -> np.ndarray | None:
-    """The row order read_weights' reverse_permute gives a q/k tensor (None for the rest)."""
+    """The row order reverse_permute gives a q/k tensor (None for the rest). NOTE: only the
+    llama converter permutes q/k (for llama.cpp's RoPE layout); qwen2/qwen3 GGUFs keep HF's row
+    order (llama.cpp uses NEOX-style RoPE for them)."""
     if config.arch not in ("llama", "mistral"):
         return None
     if name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -254,12 +238,7 @@ def read_in_place(reader, config: ModelConfig, progress: bool = True
     matrices: dict[str, GGUFMatrix] = {}
     tensors = list(reader.tensors)
     start = time.perf_counter()
-    for i, t in enumerate(tensors):
-        name = _hf_name(t.name)
-        if name is None:
-            if t.name != "rope_freqs.weight":  # read into config.rope_scaling
-                raise ValueError(f"unexpected GGUF tensor {t.name!r} for {config.arch}")
-            continue
+    for i, (t, name) in enumerate(_model_tensors(tensors, config)):
         kind = t.tensor_type.name
         if len(t.shape) != 2:
             small[name] = _dequantized(t, config)
@@ -285,11 +264,15 @@ def read_in_place(reader, config: ModelConfig, progress: bool = True
 
 
 def _dequantized(t, config: ModelConfig) -> torch.Tensor:
-    """A (small) tensor dequantised to fp32, q/k biases un-permuted."""
-    ne = [int(n) for n in t.shape]
+    """A tensor dequantised to fp32 ([out, in] for a matrix), q/k rows un-permuted."""
+    ne = [int(n) for n in t.shape]  # gguf order: ne0 (the row length) first
     rows = np.asarray(t.data).view(np.uint8).reshape(int(np.prod(ne[1:])), -1)
-    array = ops.dequantize_gguf(rows, t.tensor_type.name, ne[0]).numpy().reshape(
-        tuple(reversed(ne)))
+    try:
+        array = ops.dequantize_gguf(rows, t.tensor_type.name, ne[0]).numpy()
+    except NotImplementedError as exc:  # from the gguf package, the kernel's twin
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
+                         f"package cannot dequantise") from exc
+    array = array.reshape(tuple(reversed(ne)))
     order = _unpermuted_order(t.name, config, array.shape[0])
     return torch.from_numpy(np.ascontiguousarray(array if order is None else array[order]))
 
@@ -297,7 +280,6 @@ def _dequantized(t, config: ModelConfig) -> torch.Tensor:
 def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
     """The 2-D weights stored as GGUF_BLOCK_TYPES, as raw blocks keyed by HF names: rows [out,
     row bytes] uint8, q/k rows un-permuted as read_weights does (a row's blocks move with it)."""
-    permute = config.arch in ("llama", "mistral")
     blocks: dict[str, GGUFBlocks] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -305,10 +287,7 @@ def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
             continue
         in_features, out_features = (int(n) for n in t.shape)  # gguf shapes are [ne0, ne1]
         rows = np.asarray(t.data).reshape(out_features, -1)
-        if permute and t.name.endswith("attn_q.weight"):
-            rows = reverse_permute(rows, config.num_heads)
-        elif permute and t.name.endswith("attn_k.weight"):
-            rows = reverse_permute(rows, config.num_kv_heads)
-        blocks[name] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(rows)),
-                                  in_features)
+        order = _unpermuted_order(t.name, config, out_features)
+        rows = np.array(rows if order is None else rows[order])
+        blocks[name] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(rows), in_features)
     return blocks

@@ -109,14 +109,16 @@ class GGUFMatrix:
         return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
                                self.in_features)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the weight in fp32, exactly their dequantized values (the embedding
-        lookup): only those rows' blocks are read."""
-        if len(self.types) != 1:
-            raise ValueError("GGUFMatrix.rows: a fused matrix has no single row format")
+    def row_table(self) -> torch.Tensor:
+        """The rows as a [out, row bytes] uint8 view of the mapping (a single-type weight whose
+        rows lie in order, as an embedding's do): a lookup is then one index_select."""
         row_bytes = ops.gguf_row_bytes(self.types[0], self.in_features)
-        index = self.offsets.index_select(0, ids)[:, None] + torch.arange(row_bytes)
-        return ops.dequantize_gguf(self.mapping[index], self.types[0], self.in_features)
+        first = int(self.offsets[0])
+        if len(self.types) != 1 or not torch.equal(
+                self.offsets, first + row_bytes * torch.arange(self.out_features)):
+            raise ValueError("GGUFMatrix.row_table: the rows are not one type in order")
+        return self.mapping[first:first + self.out_features * row_bytes].view(
+            self.out_features, row_bytes)
 
 
 def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: int) -> bool:

@@ -34,16 +34,19 @@ from freetoken.model.linear import (
 
 
 class GGUFEmbedding(nn.Module):
-    """The token embedding read row by row from its GGUF blocks (GGUFMatrix.rows): each looked-up
-    row is exactly its dequantized fp32 value, and no fp32 table exists."""
+    """The token embedding read row by row from its GGUF blocks: only the looked-up rows' blocks
+    are read, each row exactly its dequantized fp32 value (ops.dequantize_gguf); no fp32 table
+    exists."""
 
     def __init__(self, matrix: GGUFMatrix):
         super().__init__()
-        self.matrix = matrix
+        self.matrix = matrix  # the tied lm_head packs it too
+        self.table = matrix.row_table()  # [vocab, row bytes], a view of the file's mapping
         self.num_embeddings, self.embedding_dim = matrix.out_features, matrix.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.matrix.rows(ids)
+        return ops.dequantize_gguf(self.table.index_select(0, ids), self.matrix.types[0],
+                                   self.embedding_dim)
 
 
 class RMSNorm(nn.Module):

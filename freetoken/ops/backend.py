@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # that lacks one is stale, and loading it is an error rather than a silent fallback.
 _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "add_rms_norm",
               "silu_mul", "rope_", "cuda_compiled", "cpu_isa", "set_cpu_isa", "set_pool_poll_us",
-              "panel_pack", "gguf_pack", "gguf_matrix", "panel_shape", "panel_linear",
-              "DecoderLayer", "gguf_dequantize", "gguf_dequantize_types")
+              "panel_pack", "gguf_pack", "gguf_matrix", "gguf_matrix_types", "is_gguf_matrix",
+              "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
+              "gguf_dequantize_types")
 
 try:
     from freetoken import _C  # noqa: N813

@@ -83,6 +83,5 @@ def gguf_row_bytes(type: str, in_features: int) -> int:  # noqa: A002
 
 
 def is_gguf_matrix(weight: torch.Tensor) -> bool:
-    """True for a descriptor from gguf_matrix (a 1-D uint8 tensor with its magic)."""
-    return (weight.dtype == torch.uint8 and weight.dim() == 1 and weight.numel() >= 64
-            and int.from_bytes(bytes(weight[:4].tolist()), "little") == 0x4D475446)
+    """True for a descriptor from gguf_matrix (False without the extension: there are none)."""
+    return _C is not None and _C.is_gguf_matrix(weight)

@@ -146,9 +146,9 @@ def test_smollm2_weights_stay_in_the_files_blocks(smollm2_path, smollm2_fp32, op
     assert packed_form(m.layers[0].mlp.down_proj.weight) == "gguf"
     assert m.lm_head is None and packed_form(m.lm_head_packed) == "gguf"
     assert isinstance(m.embed_tokens, GGUFEmbedding) and m.logits_width == 49152
-    table = m.embed_tokens.matrix
-    weight = ops.dequantize_gguf(table.mapping[table.offsets[:, None] + torch.arange(
-        ops.gguf_row_bytes(table.types[0], table.in_features))], table.types[0], 576)
+    matrix = m.embed_tokens.matrix
+    weight = ops.dequantize_gguf(matrix.mapping[matrix.offsets[:, None] + torch.arange(
+        ops.gguf_row_bytes(matrix.types[0], matrix.in_features))], matrix.types[0], 576)
     ids = torch.tensor([0, 5, 49151, 5])
     assert torch.equal(m.embed_tokens(ids), weight[ids])
     assert torch.equal(weight, smollm2_fp32.model.embed_tokens.weight)
