@@ -1,7 +1,8 @@
 """`create_app`: the Starlette app over one started engine, and its route table.
 
-What it is not: any route's behaviour (generation.py, info.py, scaleout.py), the per-request
-wrapping and error rendering (middleware.py), or the engine's lifetime (the caller owns it).
+What it is not: any route's behaviour (generation.py, scoring.py, info.py, scaleout.py), the
+per-request wrapping and error rendering (middleware.py), or the engine's lifetime (the caller
+owns it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from freetoken.api.info import InfoRoutes
 from freetoken.api.metrics import Metrics
 from freetoken.api.middleware import EdgeMiddleware, exception_handlers
 from freetoken.api.scaleout import ScaleOut
+from freetoken.api.scoring import Scoring
 from freetoken.config import ServerConfig
 
 
@@ -47,11 +49,14 @@ def create_app(
         max_body_bytes=max_body_bytes,
     )
     gen = Generation(engine, reader, metrics=metrics, request_timeout_s=request_timeout_s)
+    scoring = Scoring(gen, reader)
     info = InfoRoutes(engine, reader, metrics=metrics)
     scaleout = ScaleOut(engine, reader)  # render endpoints, load reports
     routes = [
         Route("/v1/completions", gen.completions, methods=["POST"]),
         Route("/v1/chat/completions", gen.chat_completions, methods=["POST"]),
+        Route("/v1/generative-scores", scoring.generative_scores, methods=["POST"]),
+        Route("/v1/score", scoring.score, methods=["POST"]),
         Route("/v1/models", info.models, methods=["GET"]),
         Route("/tokenize", info.tokenize, methods=["POST"]),
         Route("/detokenize", info.detokenize, methods=["POST"]),

@@ -49,11 +49,16 @@ class EngineClient(Protocol):
         ...
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        fork_from: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue one engine request (from the event loop); its deltas, the last with
         finished=True. Raises a FreeTokenError (InvalidRequest, ContextTooLong, Overloaded,
-        EngineDead) when it cannot be queued."""
+        EngineDead) when it cannot be queued. fork_from: an earlier request whose prompt is a
+        prefix of this one's; its KV for those tokens is shared (the scoring routes)."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -156,7 +156,7 @@ class Generation:
 
     # ---- while it runs -----------------------------------------------------------------------
 
-    async def _watch(self, t0: float) -> FreeTokenError:
+    async def watch(self, t0: float) -> FreeTokenError:
         """Returns (never raises) the error that ends a request: its deadline passed, or the
         engine loop died (its streams would never finish). Runs until cancelled otherwise."""
         deadline = t0 + self.request_timeout_s if self.request_timeout_s else None
@@ -171,7 +171,7 @@ class Generation:
                 delay = min(delay, left)
             await asyncio.sleep(delay)
 
-    def _check_out(self, out: RequestOutput) -> None:
+    def check_output(self, out: RequestOutput) -> None:
         if out.finish_reason == "error" or out.error:
             # NOTE: the engine logged the traceback; the client gets the id, not the internals
             logger.error("request %s failed in the engine: %s", out.request_id, out.error)
@@ -215,7 +215,7 @@ class Generation:
         async def run(job: ChoiceJob):
             frags = []
             async for out in job.stream:
-                self._check_out(out)
+                self.check_output(out)
                 if first[0]:
                     first[0] = False
                     self.metrics.ttft.observe(time.perf_counter() - t0)
@@ -224,7 +224,7 @@ class Generation:
 
         work = asyncio.gather(*(run(job) for job in jobs))
         gone = asyncio.ensure_future(_wait_disconnect(request))
-        watch = asyncio.ensure_future(self._watch(t0))
+        watch = asyncio.ensure_future(self.watch(t0))
         try:
             done, _ = await asyncio.wait({work, gone, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:
@@ -268,7 +268,7 @@ class Generation:
         async def pump(job: ChoiceJob):
             try:
                 async for out in job.stream:
-                    self._check_out(out)
+                    self.check_output(out)
                     await queue.put((job.index, job.state.feed(out), None))
                     if out.finished:
                         unfinished.discard(job.request_id)
@@ -280,7 +280,7 @@ class Generation:
             await queue.put((job.index, None, None))
 
         async def watch():
-            await queue.put((None, None, await self._watch(t0)))
+            await queue.put((None, None, await self.watch(t0)))
 
         tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
         tasks.append(asyncio.ensure_future(watch()))

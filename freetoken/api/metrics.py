@@ -166,6 +166,13 @@ class Metrics:
         self.errors = Counter(
             "freetoken_request_errors", "Failed requests by error type", ["type"], registry=r
         )
+        self.scored_items = Counter(
+            "freetoken_scored_items", "Items scored by the scoring routes", ["route"], registry=r
+        )
+        self.scored_labels = Counter(
+            "freetoken_scored_labels", "Item x label scores returned by the scoring routes",
+            ["route"], registry=r,
+        )
         self.http = Counter(
             "freetoken_http_requests",
             "HTTP requests by route and status",

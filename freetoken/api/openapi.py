@@ -16,6 +16,7 @@ from freetoken.protocol.requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from freetoken.protocol.scoring import GenerativeScoreRequest, ScoreRequest
 
 
 def openapi_document() -> dict:
@@ -24,6 +25,8 @@ def openapi_document() -> dict:
         ChatCompletionRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        GenerativeScoreRequest,
+        ScoreRequest,
     ]
     refs, schema = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
@@ -85,6 +88,12 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/completions": post(CompletionRequest, "Text completion"),
             "/v1/chat/completions": post(ChatCompletionRequest, "Chat completion"),
+            "/v1/generative-scores": post(
+                GenerativeScoreRequest, "Label probabilities after query + item (vLLM's shape)"
+            ),
+            "/v1/score": post(
+                ScoreRequest, "Label probabilities after query + item (SGLang's shape)"
+            ),
             "/tokenize": post(TokenizeRequest, "Tokenize a prompt or messages"),
             "/detokenize": post(DetokenizeRequest, "Detokenize token ids"),
             "/v1/models": get("The served model"),

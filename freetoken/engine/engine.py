@@ -132,13 +132,15 @@ class Engine:
 
     # -- the asyncio side -------------------------------------------------------------------
     def submit(self, prompt_ids: Seq[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, fork_from: str | None = None) -> RequestStream:
         """Queue one request; returns its stream. Call from the event loop (or any thread that
-        runs one). Raises InvalidRequest / ContextTooLong / Overloaded / EngineDead."""
+        runs one). Raises InvalidRequest / ContextTooLong / Overloaded / EngineDead.
+        fork_from: the id of a request submitted earlier whose prompt is a prefix of this one's:
+        its KV for those tokens is shared, never recomputed (scheduler.py, forks)."""
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(rid, loop)
-        self.add_request(prompt_ids, params, rid, stream._post)
+        self.add_request(prompt_ids, params, rid, stream._post, fork_from)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -146,7 +148,7 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str,
-                    sink: Callable[[RequestOutput], None]) -> None:
+                    sink: Callable[[RequestOutput], None], fork_from: str | None = None) -> None:
         """Thread-safe: validate and queue; `sink` is called on the engine thread per delta."""
         if not self.is_alive():
             why = f": {self._dead}" if self._dead else ""
@@ -167,7 +169,7 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, sink, detok, arrival)
-        self._inbox.put(("add", seq))
+        self._inbox.put(("add", (seq, fork_from)))
 
     def _validate(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         ids = list(prompt_ids)
@@ -298,12 +300,13 @@ class Engine:
     def _handle(self, msg: tuple, reject: bool) -> None:
         kind, obj = msg
         if kind == "add":
+            seq, fork_from = obj
             if reject:
-                obj.finish("abort")
-                self._post(obj)
+                seq.finish("abort")
+                self._post(seq)
             else:
-                self.totals["prompt_tokens_total"] += obj.num_prompt_tokens
-                self.scheduler.add(obj)
+                self.totals["prompt_tokens_total"] += seq.num_prompt_tokens
+                self.scheduler.add(seq, fork_from)
                 self._arrived += 1
         elif kind == "abort":
             seq = self.scheduler.abort(obj)

@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-K per generated token (0 = the chosen token only)
     logprob_token_ids: list[int] | None = None  # vLLM extension; needs logprobs
     prompt_logprobs: int | None = None  # top-K per prompt position (position 0 is None)
+    prompt_logprobs_start: int = 1      # first position scored; earlier ones are None (scoring)
     presence_penalty: float = 0.0       # [-2, 2], over the generated tokens
     frequency_penalty: float = 0.0      # [-2, 2], over the generated tokens
     repetition_penalty: float = 1.0     # > 0, over prompt + generated tokens (vLLM semantics)
@@ -70,6 +71,9 @@ class SamplingParams:
             self.allowed_token_ids = sorted(set(ids))
         limits.check_logprobs(self.logprobs, None, "logprobs")
         limits.check_logprobs(self.prompt_logprobs, None, "prompt_logprobs")
+        if not limits.is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 1:
+            raise ValueError("prompt_logprobs_start must be an integer >= 1, got "
+                             f"{self.prompt_logprobs_start!r}")
         if self.logprob_token_ids is not None:
             ids = list(self.logprob_token_ids)
             limits.check_logprob_token_ids(ids, self.logprobs, None)

@@ -20,6 +20,14 @@ Policy, decided once:
     from the prefix cache, as its full blocks stay indexed. The oldest sequence always makes
     progress, and Engine.submit refuses sequences longer than the pool, so a lone sequence
     always fits: no deadlock, no dropped request. No admission in a step that preempted.
+  * Forks (scoring: a query shared by items, an item shared by labels): a sequence added with
+    `fork_from` shares its parent's KV of the parent's prompt -- the full blocks by reference,
+    the partial last block copied as a partial prefix hit is -- whether or not the prefix cache
+    is on, so the shared tokens are computed once and never again. It waits (keeping its
+    place) until the parent has computed them. A parent that finishes while children still
+    wait is *held*: its blocks stay until the last child is admitted. Held blocks are the first
+    thing given up under pressure (before any preemption, or when nothing runs); a child whose
+    parent's blocks are gone computes from the prefix cache instead, with the same result.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from freetoken.engine.kv_cache import BlockPool
+from freetoken.engine.kv_cache import BlockPool, CachedPrefix
 from freetoken.engine.outputs import TokenLogprob
 from freetoken.engine.sequence import Sequence, SequenceStatus
 
@@ -79,11 +87,23 @@ class Scheduler:
         self.enable_partial_reuse = enable_partial_reuse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # finished parents whose blocks wait for their forks
         self.num_preemptions = 0
 
     # -- queue ------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, fork_from: str | None = None) -> None:
+        """Queue a sequence; with `fork_from` (the id of a live sequence whose prompt is a
+        prefix of this one's), it will share that sequence's KV. An unknown id, or a prompt that
+        does not extend the parent's, queues it as a plain sequence."""
         seq.status = SequenceStatus.WAITING
+        if fork_from is not None:
+            parent = next((s for s in (*self.running, *self.waiting, *self.held)
+                           if s.request_id == fork_from), None)
+            n = parent.num_prompt_tokens if parent is not None else 0
+            if parent is not None and n < seq.num_tokens and \
+                    seq.token_ids[:n] == parent.token_ids[:n]:
+                seq.fork = (parent, n)
+                parent.num_fork_children += 1
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -99,6 +119,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                self._drop_fork(seq)
                 seq.finish("abort")
                 return seq
         return None
@@ -111,6 +132,7 @@ class Scheduler:
             out.append(seq)
         self.running.clear()
         self.waiting.clear()
+        self._release_held()
         return out
 
     def fail(self, seqs: Seq[Sequence], error: str) -> list[Sequence]:
@@ -123,6 +145,7 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+                self._drop_fork(seq)
             self._release(seq)
             seq.finish("error", error=error)
             out.append(seq)
@@ -132,6 +155,47 @@ class Scheduler:
         if seq.block_table:
             self.pool.free(seq.block_table)
         seq.block_table = []
+
+    def _release_held(self) -> None:
+        """Give up every held parent's blocks (their waiting forks will compute instead)."""
+        for parent in self.held:
+            self._release(parent)
+        self.held.clear()
+
+    def _drop_fork(self, seq: Sequence) -> None:
+        """The child no longer waits on its parent (admitted, or gone): a held parent with no
+        child left waiting gives its blocks back."""
+        if seq.fork is None:
+            return
+        parent = seq.fork[0]
+        seq.fork = None
+        parent.num_fork_children -= 1
+        if parent.num_fork_children == 0 and parent in self.held:
+            self.held.remove(parent)
+            self._release(parent)
+
+    def _fork_state(self, seq: Sequence) -> str:
+        """"ready" (the parent's KV of the shared tokens is there), "wait" (the parent has yet
+        to compute it) or "gone" (the parent finished and gave its blocks back)."""
+        parent, n = seq.fork
+        if parent.block_table and parent.num_computed_tokens >= n:
+            return "ready"
+        return "gone" if parent.is_finished else "wait"
+
+    def _fork_prefix(self, seq: Sequence, cached: CachedPrefix) -> CachedPrefix:
+        """The prefix a ready fork is admitted with: the shared full blocks (the cache's own
+        hit when it holds them all, so the sequence's chain stays indexable; else the parent's
+        blocks, and its own blocks are never indexed), then the parent's partial block lent
+        as a partial hit."""
+        parent, n = seq.fork
+        full, m = divmod(n, self.block_size)
+        if len(cached.block_ids) >= full:
+            blocks = cached.block_ids[:full]
+        else:
+            blocks = parent.block_table[:full]
+            seq.cursor.broken = True
+        donor = (parent.block_table[full], m) if m else None
+        return CachedPrefix(blocks, n, donor)
 
     # -- deciding ---------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -177,6 +241,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, n)
             while not self.pool.can_allocate(need):
+                if self.held:  # idle blocks go before anyone's work
+                    self._release_held()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -197,8 +264,16 @@ class Scheduler:
             prefix = self.pool.find_cached_prefix(seq.token_ids, seq.block_hashes, seq.cursor,
                                                   partial=self.enable_partial_reuse)
             num_hits = len(prefix.block_ids)
-            if (num_hits < len(seq.block_hashes) and seq.block_hashes[num_hits] in inflight
-                    and skipped < self.max_num_seqs):
+            fork = None
+            if seq.fork is not None and prefix.num_cached_tokens < seq.fork[1]:
+                fork = self._fork_state(seq)
+                if fork == "wait":
+                    i += 1  # keeps its place; its parent is ahead of it or running
+                    continue
+                if fork == "ready":
+                    prefix = self._fork_prefix(seq, prefix)
+            if (fork != "ready" and num_hits < len(seq.block_hashes)
+                    and seq.block_hashes[num_hits] in inflight and skipped < self.max_num_seqs):
                 # NOTE: its next full block is being computed by a running prefill (or one
                 # admitted just now): wait for it to be indexed rather than compute it twice.
                 # This is how a batch of prompts sharing a prefix runs the prefix once.
@@ -209,7 +284,11 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             blocks = self.pool.admit(prefix, num_cached + n, seq.num_tokens)
             if blocks is None:
+                if not self.running and self.held:
+                    self._release_held()  # nothing runs to free blocks: held ones must go
+                    continue  # and this sequence tries again, from the cache
                 break  # hold admission until blocks free up
+            self._drop_fork(seq)
             if blocks.copy is not None:
                 out.copies.append(blocks.copy)
                 out.pinned.append(blocks.copy[0])
@@ -255,5 +334,8 @@ class Scheduler:
                 to_post.append(seq)
             if seq.is_finished:
                 self.running.remove(seq)
-                self._release(seq)
+                if seq.num_fork_children:
+                    self.held.append(seq)  # its forks still wait to share its blocks
+                else:
+                    self._release(seq)
         return to_post

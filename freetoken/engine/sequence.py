@@ -42,9 +42,15 @@ class Sequence:
         self.num_cached_tokens = 0             # of the first admission: what usage reports
         self.num_preemptions = 0
         self.admitted = False
-        # prompt logprobs: entry p-1 holds position p's logprob (position 0 has none)
-        self.prompt_logprobs: list[TokenLogprob] | None = \
-            [] if params.prompt_logprobs is not None else None
+        # fork: (parent, n) -- at admission this sequence shares the parent's KV of its first n
+        # tokens (the same ids) instead of computing them; the parent keeps its blocks until
+        # its num_fork_children have been admitted (scheduler.py)
+        self.fork: tuple[Sequence, int] | None = None
+        self.num_fork_children = 0
+        # prompt logprobs: entry p-1 holds position p's logprob (position 0 has none); positions
+        # before params.prompt_logprobs_start are None and never computed
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            self._unscored_positions() if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = params.prompt_logprobs is None
         # output state since the last delta
         self.pending_ids: list[int] = []
@@ -87,7 +93,11 @@ class Sequence:
         self.block_table = []
         self.cursor = ChainCursor()
         if not self.prompt_logprobs_sent and self.prompt_logprobs is not None:
-            self.prompt_logprobs.clear()
+            self.prompt_logprobs = self._unscored_positions()
+
+    def _unscored_positions(self) -> list[None]:
+        skip = min(self.params.prompt_logprobs_start, self.num_prompt_tokens) - 1
+        return [None] * max(0, skip)
 
     # -- finishing: the one place ---------------------------------------------------------------
     def finish(self, reason: str, stop_reason: int | str | None = None,

@@ -1,5 +1,5 @@
 """Schemathesis against FreeToken's own /openapi.json (issue 7): bodies generated from the
-published request schemas of /v1/completions and /v1/chat/completions, sent to the in-process
+published request schemas of the generation and scoring routes, sent to the in-process
 server of test_reliability. Check: no 500 and every answer is the OpenAI error shape with a
 documented status or a valid completion (test_fuzz.check_response). Skipped when schemathesis is
 not installed.
@@ -30,7 +30,18 @@ def st_srv(smollm2_fp32):
     s.close()
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def check_scoring(r) -> None:
+    """A scoring answer: the peer's shape on 200, else a documented error in the OpenAI shape."""
+    assert r.status_code in (200, 400, 404, 413, 503, 504), (r.status_code, r.text[:300])
+    body = r.json()
+    if r.status_code == 200:
+        assert ("results" in body) != ("scores" in body), body
+        return
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",
+                                  "/v1/generative-scores", "/v1/score"])
 def test_openapi_bodies(st_srv, path):
     # NOTE: schemathesis is used as the case generator over the published schema; the cases run
     # inside one plain test (its pytest integration, from_fixture + subtests, hung here)
@@ -54,7 +65,10 @@ def test_openapi_bodies(st_srv, path):
             body["max_tokens"] = 4  # NOTE: a chat default runs to the context's end: CI time
         r = case.call(base_url=st_srv.url, timeout=60)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-        check_response(r, chat="chat" in path)
+        if "score" in path:
+            check_scoring(r)
+        else:
+            check_response(r, chat="chat" in path)
 
     run()
     assert sum(statuses.values()) >= 40, statuses
