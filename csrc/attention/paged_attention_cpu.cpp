@@ -23,10 +23,17 @@
 //     columns (running max and sum per column, the output rescaled when the max grows);
 //   O [cols, hd] += P V: each V row read in place as hd / L vectors, P's entries broadcast.
 // The two products are out-of-line per ISA (see FT_ATTENTION_KERNELS): inlined, GCC spilled the
-// key pointers. A task of one query token and at most 8 columns (decode) takes run_decode
-// instead: S [cols, keys] by dot products reduced across lanes 16 keys at a time (qk_dot), no
-// mask, the softmax vectorized across keys (~1.75x the task above at G = 3 with K/V in cache).
-// K/V rows are prefetched into L2 32 keys ahead (prefetch_rows: cold decode ~1.4x).
+// key pointers. K/V rows are prefetched into L2 32 keys ahead (prefetch_rows: cold decode
+// ~1.4x).
+//
+// Batch invariance (issue 23): a column's result depends only on its own query and keys. Each
+// score is one FMA chain over d, each column's softmax sum and O one chain over its keys in
+// tiles at fixed multiples of kKeyTile (keys a column cannot see are -inf, adding exact zeros),
+// whatever the other columns of its task, the task split, the threads or how many query tokens
+// the step has. So a decode token (one query) also takes this walk: the dot-product decode
+// kernel it had summed in another order (~1.75x faster per task at G = 3 with K/V in cache, but
+// a decode step's attention is mostly K/V reads: 8 streams at context 1000 and 2000, 13-14 and
+// 45 ms a step either way).
 //
 // Numerics: fp32 scores, softmax and sums (as SDPA on CPU); q pre-scaled; exp by a polynomial
 // (error < 2e-7 relative; std::exp does not vectorize without -ffast-math). bf16 / fp16 pools
@@ -127,74 +134,6 @@ FT_INLINE void row_pointers(const Problem& pr, const Task& t, const Scratch& w, 
   }
 }
 
-// A task of one query token and at most 8 columns (decode: the G heads of one kv head): every
-// key in [lo, pos] is visible to every column, so no mask. Scores S [cols, keys] (row stride
-// kKeyTile) by dot products (qk_dot: columns in chunks of <= 4, keys padded to a multiple of
-// the vector width), the softmax along each row (vectorized across keys), O += P V by pv_cols.
-template <class K, typename CacheT>
-FT_INLINE void run_decode(const Problem& pr, const Task& t, const Scratch& w) {
-  constexpr int L = K::kL;
-  using vf = typename Vec<L>::f;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  constexpr int64_t ss = kKeyTile;
-  const int64_t hd = pr.hd, G = pr.group, nc = t.col1 - t.col0;
-  const int64_t qs = (hd + 15) / 16 * 16;
-  const int64_t q0 = pr.qsl[t.seq], token = t.col0 / G;
-  const int64_t pos = pr.seq_lens[t.seq] - (pr.qsl[t.seq + 1] - q0) + token;
-  // q [nc, qs], scaled, zero past hd (qk_dot reads whole vectors of it).
-  for (int64_t c = 0; c < nc; ++c) {
-    const int64_t h = t.kv_head * G + (t.col0 + c) % G;
-    const float* qr = pr.q + (q0 + token) * pr.q_row + h * hd;
-    for (int64_t d = 0; d < hd; ++d) w.qt[c * qs + d] = qr[d] * pr.scale;
-    for (int64_t d = hd; d < qs; ++d) w.qt[c * qs + d] = 0.f;
-    w.m[c] = kNegInf;
-    w.l[c] = 0.f;
-  }
-  std::memset(w.o, 0, sizeof(float) * nc * hd);
-  const int64_t chunks = (nc + 3) / 4, cg = (nc + chunks - 1) / chunks;
-  const int64_t key_lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
-  for (int64_t k0 = key_lo; k0 <= pos; k0 += kKeyTile) {
-    const int64_t n = std::min(kKeyTile, pos + 1 - k0), n_pad = (n + L - 1) / L * L;
-    row_pointers<CacheT>(pr, t, w, k0, n);
-    for (int64_t j = n; j < n_pad; ++j) w.krow[j] = w.krow[n - 1];
-    prefetch_rows(w, 0, std::min(n, kPrefetchKeys), hd);
-    for (int64_t c0 = 0; c0 < nc; c0 += cg)
-      K::qk_dot(w, n, n_pad, c0, std::min(cg, nc - c0), qs, hd, ss);
-    for (int64_t c = 0; c < nc; ++c) {
-      float* row = w.s + c * ss;
-      for (int64_t j = n; j < n_pad; ++j) row[j] = kNegInf;
-      vf mx = splat<L>(w.m[c]);
-      for (int64_t j = 0; j < n_pad; j += L) {
-        const vf x = loadu<L>(row + j);
-        mx = x > mx ? x : mx;
-      }
-      float m_new = mx[0];
-      for (int i = 1; i < L; ++i) m_new = std::max(m_new, mx[i]);
-      // m_new is finite: the tile has a real key.
-      const vf shift = splat<L>(m_new);
-      vf sum = vf{};
-      for (int64_t j = 0; j < n_pad; j += L) {
-        const vf e = exp_nonpositive<L>(loadu<L>(row + j) - shift);
-        storeu<L>(row + j, e);
-        sum += e;
-      }
-      float total = 0.f;
-      for (int i = 0; i < L; ++i) total += sum[i];
-      const float a = exp_nonpositive<L>(splat<L>(w.m[c] - m_new))[0];
-      w.alpha[c] = a;
-      w.l[c] = w.l[c] * a + total;
-      w.m[c] = m_new;
-    }
-    K::pv_cols(w, n, nc, ss, hd);
-  }
-  for (int64_t c = 0; c < nc; ++c) {
-    const int64_t gc = t.col0 + c;
-    float* dst = pr.out + ((q0 + token) * pr.nh + t.kv_head * G + gc % G) * hd;
-    const float inv = 1.f / w.l[c];
-    for (int64_t d = 0; d < hd; ++d) dst[d] = w.o[c * hd + d] * inv;
-  }
-}
-
 // One task, with one ISA's kernels K.
 template <class K, typename CacheT>
 FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
@@ -203,7 +142,6 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t hd = pr.hd, G = pr.group, s = t.seq;
   const int64_t nc = t.col1 - t.col0, nv = (nc + LC - 1) / LC, cw = nv * LC;
-  if (nc <= 8 && t.col0 / G == (t.col1 - 1) / G) return run_decode<K, CacheT>(pr, t, w);
   const int64_t seq_len = pr.seq_lens[s], q0 = pr.qsl[s];
   const int64_t first_pos = seq_len - (pr.qsl[s + 1] - q0);
   // Columns are in token order, so column c's query position is non-decreasing in c.
@@ -220,7 +158,10 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
     w.l[c] = 0.f;
   }
   std::memset(w.o, 0, sizeof(float) * nc * hd);
-  const int64_t key_lo = pr.window > 0 ? std::max<int64_t>(0, pos_of(0) - pr.window + 1) : 0;
+  // NOTE: tiles start at multiples of kKeyTile, not at the task's first visible key: the tile
+  // bounds, and so every column's sums, stay the same whatever the task's first column.
+  const int64_t key_lo =
+      pr.window > 0 ? std::max<int64_t>(0, pos_of(0) - pr.window + 1) / kKeyTile * kKeyTile : 0;
   const int64_t key_hi = pos_of(nc - 1) + 1;
   // A half-full last vector goes through QKT.
   const int64_t tail_real = nc - (nv - 1) * LC;

@@ -1,7 +1,7 @@
 // The micro-kernels of csrc/attention/paged_attention_cpu.cpp: vectors of L floats (GCC vector
 // extensions), the exp of the softmax, the two register-blocked products of a key tile
-// (S^T = K Q^T and O += P V), decode's dot-product S = Q K^T (qk_dot_*), the prefetch of the
-// rows and, per ISA, their loops as out-of-line functions.
+// (S^T = K Q^T and O += P V), the prefetch of the rows and, per ISA, their loops as out-of-line
+// functions.
 // Included by paged_attention_cpu.cpp only; everything inlines into the ISA-targeted callers.
 #pragma once
 
@@ -94,9 +94,8 @@ FT_INLINE void qk_any(int mr, int np, const float* const* krow, const float* qt,
 }
 
 // O[c, voff + v*L ..] = alpha[c] O[c, ..] + sum_p P[p, c] V[p, voff + v*L ..] for MC columns
-// and VC vectors of the head dimension; o's row stride is hd. P[p, c] is p[p * ps + c], or
-// with kColMajor (the decode path's scores, keys along a column) p[c * ps + p].
-template <int L, int MC, int VC, bool kColMajor>
+// and VC vectors of the head dimension; o's row stride is hd. P[p, c] is p[p * ps + c].
+template <int L, int MC, int VC>
 FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const float* p,
                         int64_t ps, const float* alpha, float* o, int64_t hd) {
   using vf = typename Vec<L>::f;
@@ -112,7 +111,7 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) vv[v] = in_register(loadu<L>(vr + v * L));
 #pragma GCC unroll 16
     for (int m = 0; m < MC; ++m) {
-      const float pb = kColMajor ? p[m * ps + j] : p[j * ps + m];
+      const float pb = p[j * ps + m];
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) acc[m][v] += vv[v] * pb;
     }
@@ -123,104 +122,24 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) storeu<L>(o + m * hd + voff + v * L, acc[m][v]);
 }
 
-template <int L, int MC, int VC, bool kColMajor>
+template <int L, int MC, int VC>
 FT_INLINE void pv_any(int mc, int vc, const float* const* vrow, int64_t n, int64_t voff,
                       const float* p, int64_t ps, const float* alpha, float* o, int64_t hd) {
   if constexpr (MC > 1) {
     if (mc < MC)
-      return pv_any<L, MC - 1, VC, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
+      return pv_any<L, MC - 1, VC>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
   if constexpr (VC > 1) {
     if (vc < VC)
-      return pv_any<L, MC, VC - 1, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
+      return pv_any<L, MC, VC - 1>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
-  pv_block<L, MC, VC, kColMajor>(vrow, n, voff, p, ps, alpha, o, hd);
+  pv_block<L, MC, VC>(vrow, n, voff, p, ps, alpha, o, hd);
 }
-
-// ---------------------------------------------------------------------------------------------
-// Decode: S [cols, keys] = Q K^T as dot products, for tasks of one query token (a few columns:
-// the G heads of one kv head). Each K row is read as hd / L vectors and multiplied into every
-// column's q (cols x hd / L FMAs per key, all lanes used), and the per-key partial-sum vectors
-// are reduced across lanes L keys at a time by fold (a transpose-add tree: one vector then holds
-// L scores). The broadcast form above would use 3 of 4 lanes at G = 3 and one FMA per d.
-
-// Two vectors of `keys` partial sums each (key i in lanes [i * seg, (i + 1) * seg), seg =
-// L / keys) -> one of 2 * keys partial sums, a's keys first, each over seg / 2 lanes.
-template <int L, int KEYS>
-FT_INLINE typename Vec<L>::f fold(typename Vec<L>::f a, typename Vec<L>::f b) {
-  using vi = typename Vec<L>::i;
-  constexpr int seg = L / KEYS, half = seg / 2;
-  static_assert(half >= 1, "fold: a vector holds at most L keys");
-  vi lo, hi;
-  for (int i = 0; i < L; ++i) {
-    const int u = i / half;  // the output's key
-    lo[i] = (u >= KEYS ? L : 0) + (u % KEYS) * seg + i % half;
-    hi[i] = lo[i] + half;
-  }
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-// The first r (< L) floats of p, the other lanes 0 (a head_dim tail; no read past p + r).
-template <int L>
-FT_INLINE typename Vec<L>::f load_part(const float* p, int64_t r) {
-  typename Vec<L>::f x{};
-  for (int64_t i = 0; i < r; ++i) x[i] = p[i];
-  return x;
-}
-
-// out[c] = the scores of keys krow[0 .. KEYS) for CG columns (q: [CG, qs], zero past hd), key i
-// in lanes [i * L / KEYS, ..) (summed over them at KEYS = L).
-template <int L, int CG, int KEYS>
-FT_INLINE void qk_dot_keys(const float* const* krow, const float* q, int64_t qs, int64_t hd,
-                           typename Vec<L>::f* out) {
-  using vf = typename Vec<L>::f;
-  if constexpr (KEYS == 4) {
-    const float* k[4] = {krow[0], krow[1], krow[2], krow[3]};
-    vf acc[4][CG];
-#pragma GCC unroll 16
-    for (int m = 0; m < 4; ++m)
-#pragma GCC unroll 16
-      for (int c = 0; c < CG; ++c) acc[m][c] = vf{};
-    const int64_t full = hd / L * L;
-    for (int64_t d = 0; d < full; d += L) {
-      vf kv[4];
-#pragma GCC unroll 16
-      for (int m = 0; m < 4; ++m) kv[m] = in_register(loadu<L>(k[m] + d));
-#pragma GCC unroll 16
-      for (int c = 0; c < CG; ++c) {
-        const vf qv = loadu<L>(q + c * qs + d);
-#pragma GCC unroll 16
-        for (int m = 0; m < 4; ++m) acc[m][c] += kv[m] * qv;
-      }
-    }
-    if (full < hd) {
-      vf kv[4];
-#pragma GCC unroll 16
-      for (int m = 0; m < 4; ++m) kv[m] = load_part<L>(k[m] + full, hd - full);
-#pragma GCC unroll 16
-      for (int c = 0; c < CG; ++c) {
-        const vf qv = loadu<L>(q + c * qs + full);
-#pragma GCC unroll 16
-        for (int m = 0; m < 4; ++m) acc[m][c] += kv[m] * qv;
-      }
-    }
-#pragma GCC unroll 16
-    for (int c = 0; c < CG; ++c)
-      out[c] = fold<L, 2>(fold<L, 1>(acc[0][c], acc[1][c]), fold<L, 1>(acc[2][c], acc[3][c]));
-  } else {
-    vf a[CG], b[CG];
-    qk_dot_keys<L, CG, KEYS / 2>(krow, q, qs, hd, a);
-    qk_dot_keys<L, CG, KEYS / 2>(krow + KEYS / 2, q, qs, hd, b);
-#pragma GCC unroll 16
-    for (int c = 0; c < CG; ++c) out[c] = fold<L, KEYS / 2>(a[c], b[c]);
-  }
-}
-
 
 // A task's scratch, sized by the caller (std:: code stays out of the ISA bodies).
 struct Scratch {
-  float* qt;     // [hd, cw]; decode: q [cols, hd rounded up to 16]
-  float* s;      // [kKeyTile, cw]; decode: [cols, kKeyTile]
+  float* qt;     // [hd, cw]
+  float* s;      // [kKeyTile, cw]
   float* o;      // [cols, hd]
   float* m;      // [cw] running max
   float* l;      // [cw] running sum
@@ -280,41 +199,10 @@ FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, i
   }
 }
 
-// Decode: S[c0 + c, j] (row stride ss) for cg (1..4) columns from q rows c0 .. (stride qs) and
-// keys [0, n_pad) (n_pad a multiple of L, the rows past n repeat row n - 1); with prefetch, asks
-// for the rows of keys < n kPrefetchKeys ahead.
-template <int L, int CG>
-FT_INLINE void qk_dot_cols(const Scratch& w, int64_t n, int64_t n_pad, const float* q, int64_t qs,
-                           int64_t hd, float* s, int64_t ss, bool prefetch) {
-  using vf = typename Vec<L>::f;
-  for (int64_t j = 0; j < n_pad; j += L) {
-    if (prefetch && j + kPrefetchKeys < n)
-      prefetch_rows(w, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + L), hd);
-    vf out[CG];
-    qk_dot_keys<L, CG, L>(w.krow + j, q, qs, hd, out);
-#pragma GCC unroll 16
-    for (int c = 0; c < CG; ++c) storeu<L>(s + c * ss + j, out[c]);
-  }
-}
-
-template <int L>
-FT_INLINE void qk_dot_range(const Scratch& w, int64_t n, int64_t n_pad, int64_t c0, int64_t cg,
-                            int64_t qs, int64_t hd, int64_t ss) {
-  const float* q = w.qt + c0 * qs;
-  float* s = w.s + c0 * ss;
-  const bool pf = c0 == 0;
-  switch (cg) {
-    case 1: return qk_dot_cols<L, 1>(w, n, n_pad, q, qs, hd, s, ss, pf);
-    case 2: return qk_dot_cols<L, 2>(w, n, n_pad, q, qs, hd, s, ss, pf);
-    case 3: return qk_dot_cols<L, 3>(w, n, n_pad, q, qs, hd, s, ss, pf);
-    default: return qk_dot_cols<L, 4>(w, n, n_pad, q, qs, hd, s, ss, pf);
-  }
-}
-
 // O = alpha O + P V over columns [0, nc) (PV::kMC at a time), each group only over the keys
 // its last column can see: keys_seen(c) = min(n, keys visible to column c); a head_dim tail
 // (hd % L) in scalar code. P as in pv_block, at stride ps.
-template <class PV, bool kColMajor>
+template <class PV>
 FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t ps, int64_t hd,
                         int64_t seen0, int64_t col0, int64_t G) {
   constexpr int L = PV::kL;
@@ -324,15 +212,14 @@ FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t ps, int
     const int64_t keys = std::min(n, seen0 + (col0 + c + mc - 1) / G);
     for (int64_t v = 0; v < full; v += PV::kVC) {
       const int vc = static_cast<int>(std::min<int64_t>(PV::kVC, full - v));
-      pv_any<L, PV::kMC, PV::kVC, kColMajor>(mc, vc, w.vrow, keys, v * L,
-                                             w.s + (kColMajor ? c * ps : c), ps, w.alpha + c,
-                                             w.o + c * hd, hd);
+      pv_any<L, PV::kMC, PV::kVC>(mc, vc, w.vrow, keys, v * L, w.s + c, ps, w.alpha + c,
+                                  w.o + c * hd, hd);
     }
     for (int64_t d = full * L; d < hd; ++d)
       for (int m = 0; m < mc; ++m) {
         float acc = w.o[(c + m) * hd + d] * w.alpha[c + m];
         for (int64_t j = 0; j < keys; ++j)
-          acc += w.s[kColMajor ? (c + m) * ps + j : j * ps + c + m] * w.vrow[j][d];
+          acc += w.s[j * ps + c + m] * w.vrow[j][d];
         w.o[(c + m) * hd + d] = acc;
       }
   }
@@ -362,16 +249,7 @@ struct Shapes {
     TARGET __attribute__((noinline)) static void pv(const Scratch& w, int64_t n, int64_t nc,      \
                                                     int64_t cw, int64_t hd, int64_t seen0,        \
                                                     int64_t col0, int64_t G) {                    \
-      pv_range<typename NAME::PV, false>(w, n, nc, cw, hd, seen0, col0, G);                       \
-    }                                                                                             \
-    TARGET __attribute__((noinline)) static void qk_dot(const Scratch& w, int64_t n,              \
-                                                        int64_t n_pad, int64_t c0, int64_t cg,    \
-                                                        int64_t qs, int64_t hd, int64_t ss) {     \
-      qk_dot_range<NAME::kL>(w, n, n_pad, c0, cg, qs, hd, ss);                                    \
-    }                                                                                             \
-    TARGET __attribute__((noinline)) static void pv_cols(const Scratch& w, int64_t n, int64_t nc, \
-                                                         int64_t ss, int64_t hd) {                \
-      pv_range<typename NAME::PV, true>(w, n, nc, ss, hd, n, 0, 1);                               \
+      pv_range<typename NAME::PV>(w, n, nc, cw, hd, seen0, col0, G);                              \
     }                                                                                             \
   };
 

@@ -9,9 +9,10 @@
 // Layout: panel p holds columns [16 p, 16 p + 16) of y as [K, 16]: row k is W[16 p .. 16 p + 15,
 // k], one 64-byte line. Panels follow each other, so a range of panels is one stream.
 //
-// Micro-kernel: for a chunk of MR rows of x (templated, 1..16 on AVX-512) and one panel, MR x 16
-// fp32 accumulators; per k one panel row is loaded and x[m, k] broadcast from memory into an FMA.
-// Small MR also unrolls k into independent partial sums (KU) so 8+ FMA chains hide the latency.
+// Micro-kernel: for a chunk of MR rows of x (templated, 1..16 on AVX-512) and NP panels, MR x 16
+// fp32 accumulators a panel; per k one row of each panel is loaded and x[m, k] broadcast from
+// memory into the NP FMAs. Small MR takes more panels at once (8 panels at one row on AVX-512),
+// so 8+ independent FMA chains hide the latency while every output stays one chain over k.
 // Rows beyond MR_max are cut into equal chunks; the thread then walks an L2-sized block of its
 // panels once per chunk, so the weights still come from DRAM once, and pulls the next block into
 // L2 meanwhile. Those chunks (AVX-512: <= 14 rows) take two panels at a time, each broadcast of x
@@ -25,8 +26,10 @@
 // caller and torch.get_num_threads() - 1 helpers of a small pool claim in order; a call estimated
 // under ~20 us on one thread stays on the caller. The packed buffer asks for 2 MB pages.
 //
-// Numerics: fp32 products and sums (FMA where the ISA has one); the sum over k is split into KU
-// interleaved partial sums for small MR. The result is x @ W^T within fp32 rounding.
+// Numerics: fp32 products and sums (FMA where the ISA has one). Every output is one FMA chain over
+// k = 0, 1, ..., K - 1, then + bias, whatever the row count, the chunk, the panel group or the
+// thread: a row's result does not depend on the rows computed with it (batch invariance, issue
+// 23; quant_linear_cpu.cpp sums in the same order, so the GGUF-block panels give these bits too).
 //
 // bf16: the same panels hold bf16 weights (half the bytes: a decode step is twice as short a
 // stream); each panel row is widened to fp32 exactly (a 16-bit shift) and everything after is
@@ -120,19 +123,16 @@ template <int L, int MR, int NP, bool PF, bool AHEAD, typename WT>
 FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahead) {
   using vf = typename Vec<L>::f;
   constexpr int V = kNR / L;  // vectors per panel row
-  // NOTE: the k unroll follows the rows alone, not NP: every output is then summed in the same
-  // order whatever NP (the same results with one panel or two).
-  constexpr int KU = panel::partial_sums(MR * V);
   const int64_t K = a.K;
   const float* x = a.x + r0 * K;
   const WT* wp[NP];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) wp[j] = a.w + (p0 + j) * K * kNR;
-  vf acc[NP][KU][MR][V];
-#pragma GCC unroll 4
+  vf acc[NP][MR][V];  // each output: one chain over k
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
-  int64_t k = 0, countdown = ahead.every;
-  for (; k + KU <= K; k += KU) {
+  int64_t countdown = ahead.every;
+  for (int64_t k = 0; k < K; ++k) {
     if constexpr (AHEAD) {
       if (--countdown == 0) {
         countdown = ahead.every;
@@ -142,56 +142,48 @@ FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahe
         }
       }
     }
-#pragma GCC unroll 64
-    for (int u = 0; u < KU; ++u) {
-      vf wv[NP][V];
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) {
-        const WT* row = wp[j] + (k + u) * kNR;
-        if constexpr (PF)  // t1
-          __builtin_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, 0, 2);
-#pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) wv[j][v] = in_register(load_w<L>(row + v * L));
-      }
-#pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m) {
-        const float xs = x[(k + u) * MR + m];
-#pragma GCC unroll 4
-        for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) acc[j][u][m][v] += wv[j][v] * xs;
-      }
-    }
-  }
-  for (; k < K; ++k) {
-#pragma GCC unroll 4
+    vf wv[NP][V];
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      vf wv[V];
+      const WT* row = wp[j] + k * kNR;
+      if constexpr (PF)  // t1
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, 0, 2);
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) wv[v] = load_w<L>(wp[j] + k * kNR + v * L);
+      for (int v = 0; v < V; ++v) wv[j][v] = in_register(load_w<L>(row + v * L));
+    }
 #pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m) {
-        const float xs = x[k * MR + m];
+    for (int m = 0; m < MR; ++m) {
+      const float xs = x[k * MR + m];
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) acc[j][0][m][v] += wv[v] * xs;
-      }
+        for (int v = 0; v < V; ++v) acc[j][m][v] += wv[j][v] * xs;
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j)
     panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p0 + j) * kNR, a.bias);
 }
 
-// Rows [r0, r0 + MR) of y, panels [p0, p1): pairs of panels where NP2 (the kernel's row count
-// allows two panels' accumulators in registers), one panel at a time otherwise and for an odd
-// last one.
-template <int L, int MR, bool NP2, bool AHEAD, typename WT>
-FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1, Ahead& ahead) {
+// Rows [r0, r0 + MR) of y, panels [p0, p1), NP panels a group (panel::group_panels), then the
+// rest in halving groups: the group changes how many chains run at once, never an output's sum.
+template <int L, int MR, int NP, bool AHEAD, typename WT>
+FT_INLINE void panel_groups(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1,
+                            Ahead& ahead) {
   constexpr bool kPF = MR >= kPrefetchMinRows;
   int64_t p = p0;
-  if constexpr (NP2)
-    for (; p + 2 <= p1; p += 2) panel_group<L, MR, 2, kPF, AHEAD>(a, r0, p, ahead);
-  for (; p < p1; ++p) panel_group<L, MR, 1, kPF, AHEAD>(a, r0, p, ahead);
+  for (; p + NP <= p1; p += NP) panel_group<L, MR, NP, kPF, AHEAD>(a, r0, p, ahead);
+  if constexpr (NP > 1) {
+    if (p < p1) panel_groups<L, MR, NP / 2, AHEAD>(a, r0, p, p1, ahead);
+  }
+}
+
+// Rows [r0, r0 + MR) of y, panels [p0, p1): pairs of panels where NP2 (the kernel's row count
+// allows two panels' accumulators in registers), else as many as 8 FMA chains want.
+template <int L, int MR, bool NP2, bool AHEAD, typename WT>
+FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1, Ahead& ahead) {
+  constexpr int NP = NP2 ? 2 : panel::group_panels(MR * (kNR / L), panel::kChains);
+  panel_groups<L, MR, NP, AHEAD>(a, r0, p0, p1, ahead);
 }
 
 // MR from the run-time row count mr: one instantiation per value, 1..MR for single panels and
@@ -209,7 +201,6 @@ FT_INLINE void panels_rows(const Args<WT>& a, int mr, int64_t r0, int64_t p0, in
 // How x's rows are cut into equal chunks (the transposed copy and the micro-kernels agree on
 // it): at most mr_max rows, one chunk up to mr_max; past that, where the ISA has a paired
 // kernel (mr_pairs > 0), at most mr_pairs rows so two panels' accumulators fit the registers.
-// Chunks of at least 8 rows keep KU = 1 (panel::partial_sums) whichever kernel runs.
 int64_t row_chunks(int64_t M, int64_t mr_max, int64_t mr_pairs) {
   const int64_t mr = M <= mr_max || mr_pairs == 0 ? mr_max : mr_pairs;
   return (M + mr - 1) / mr;

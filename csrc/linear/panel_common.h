@@ -31,14 +31,15 @@ enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
 constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
 constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
 constexpr int kChains = 8;                 // independent FMA chains wanted per micro-kernel
-// The k unroll of a micro-kernel with `accumulators` vectors: interleaved partial sums, enough
-// for kChains FMA chains, a power of two so it divides a GGUF block's 32 k: both panel kernels
-// then sum each output in the same order, and the GGUF blocks give the fp32 panels' results bit
-// for bit (up to 8 rows on AVX-512).
-constexpr int partial_sums(int accumulators) {
-  int ku = 1;
-  while (ku * accumulators < kChains) ku *= 2;
-  return ku;
+// Panels a micro-kernel takes at once when one panel's rows hold `accumulators` vectors: a power
+// of two giving at least `chains` independent FMA chains. NOTE: never the k loop: every output
+// of both panel kernels is one chain over k = 0..K-1 whatever the row count (batch invariance,
+// issue 23), so a row's bits do not depend on the rows beside it, and the GGUF-block panels
+// give the fp32 panels' bits.
+constexpr int group_panels(int accumulators, int chains) {
+  int np = 1;
+  while (np * accumulators < chains) np *= 2;
+  return np;
 }
 constexpr double kTaskBytes = 512 << 10;  // the least weight bytes per pool task
 // NOTE: a call estimated under this on one thread runs on the caller alone. The pool's helpers
@@ -71,28 +72,19 @@ using vec::in_register;
 using vec::loadu;
 using vec::Vec;
 
-// A micro-kernel's accumulators, acc[KU partial sums][MR rows][V vectors of L floats], zeroed.
-template <typename VF, int KU, int MR, int V>
-FT_INLINE void zero(VF (&acc)[KU][MR][V]) {
+// A micro-kernel's accumulators, acc[MR rows][V vectors of L floats], zeroed.
+template <typename VF, int MR, int V>
+FT_INLINE void zero(VF (&acc)[MR][V]) {
 #pragma GCC unroll 64
-  for (int u = 0; u < KU; ++u)
+  for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) acc[u][m][v] = VF{};
+    for (int v = 0; v < V; ++v) acc[m][v] = VF{};
 }
 
-// The partial sums added into acc[0] in the order u = 1, 2, ... (both kernels' order), plus the
-// bias, stored as columns [n0, n0 + kNR) of MR rows of y (row stride N; fewer past N).
-template <int L, typename VF, int KU, int MR, int V>
-FT_INLINE void store_sums(VF (&acc)[KU][MR][V], float* y, int64_t N, int64_t n0,
-                          const float* bias) {
-#pragma GCC unroll 64
-  for (int u = 1; u < KU; ++u)
-#pragma GCC unroll 64
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) acc[0][m][v] += acc[u][m][v];
+// The sums plus the bias, stored as columns [n0, n0 + kNR) of MR rows of y (row stride N; fewer
+// past N).
+template <int L, typename VF, int MR, int V>
+FT_INLINE void store_sums(VF (&acc)[MR][V], float* y, int64_t N, int64_t n0, const float* bias) {
   const int64_t nv = std::min<int64_t>(kNR, N - n0);
   y += n0;
   if (nv == kNR) {
@@ -103,13 +95,13 @@ FT_INLINE void store_sums(VF (&acc)[KU][MR][V], float* y, int64_t N, int64_t n0,
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
       for (int v = 0; v < V; ++v) {
-        const VF o = acc[0][m][v] + b[v];
+        const VF o = acc[m][v] + b[v];
         std::memcpy(y + m * N + v * L, &o, sizeof o);
       }
   } else {  // the tail panel: only nv columns exist
     for (int m = 0; m < MR; ++m)
       for (int64_t j = 0; j < nv; ++j)
-        y[m * N + j] = acc[0][m][j / L][j % L] + (bias ? bias[n0 + j] : 0.f);
+        y[m * N + j] = acc[m][j / L][j % L] + (bias ? bias[n0 + j] : 0.f);
   }
 }
 

@@ -18,9 +18,11 @@
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
 // shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
 //
-// Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators, KU
-// interleaved partial sums for small MR; per block row the dequantized vector is shared by the
-// MR FMAs. Threads: panel ranges over the TaskPool, small calls on the caller.
+// Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
+// NP panels at once for small MR (4 FMA chains: each weight also costs a dequantizing FMA);
+// per block row the dequantized vector is shared by the MR FMAs. Every output is one FMA chain
+// over k = 0..K-1 then + bias, the fp32 panels' order: these give their bits, whatever the row
+// count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -97,62 +99,93 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
   }
 }
 
-// Rows [r0, r0 + MR) of y, panels [p0, p1). L = floats per vector.
-template <int L, int MR, Format F>
-FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+// Rows [r0, r0 + MR) of y (xr: their pointers), panels [p, p + NP). L = floats per vector.
+template <int L, int MR, int NP, Format F>
+FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r0, int64_t p) {
   using vf = typename Vec<L>::f;
   // NOTE: the blocks are read as 32-bit lanes only: GCC 12 scalarizes a widening
   // __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics
   // cannot serve the three ISA variants of one template.
   using vu = typename Vec<L>::u;
   constexpr int V = kNR / L;
-  constexpr int KU = panel::partial_sums(MR * V);  // k unroll
   constexpr bool kQ41 = F == panel::kQ4_1;
   constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
   constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
   constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
-  const int64_t K = a.K, nb = K / 32;
-  const float* xr[MR];  // the chunk's rows
-#pragma GCC unroll 64
-  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * K;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* blk = a.w + p * nb * kBlock;
-    vf acc[KU][MR][V];
-    panel::zero(acc);
-    for (int64_t b = 0; b < nb; ++b, blk += kBlock) {
+  const int64_t nb = a.K / 32;
+  const uint8_t* blk[NP];
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j) blk[j] = a.w + (p + j) * nb * kBlock;
+  vf acc[NP][MR][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
+  for (int64_t b = 0; b < nb; ++b) {
+    vf d[NP][V], mn[NP][V];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const uint8_t* bj = blk[j] + b * kBlock;
 #pragma GCC unroll 16
-      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(blk + kPrefetchBytes + l, 0, 3);
-      const float* dp = reinterpret_cast<const float*>(blk);
-      vf d[V], mn[V];
+      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(bj + kPrefetchBytes + l, 0, 3);
+      const float* dp = reinterpret_cast<const float*>(bj);
 #pragma GCC unroll 64
       for (int v = 0; v < V; ++v) {
-        d[v] = loadu<L>(dp + v * L);
-        mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+        d[j][v] = loadu<L>(dp + v * L);
+        mn[j][v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
       }
-      const uint8_t* q = blk + kScales * kNR * 4;
+    }
 #pragma GCC unroll 8
-      for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
-        vu words[V];
+    for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+      vu words[NP][V];
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* q = blk[j] + b * kBlock + kScales * kNR * 4;
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+        for (int v = 0; v < V; ++v)
+          std::memcpy(&words[j][v], q + (g * kNR + v * L) * 4, sizeof(vu));
+      }
 #pragma GCC unroll 8
-        for (int t = 0; t < kRows; ++t) {
-          const int k = kRows * g + t;
+      for (int t = 0; t < kRows; ++t) {
+        const int64_t k = b * 32 + kRows * g + t;
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) {
           vf w[V];
 #pragma GCC unroll 64
           for (int v = 0; v < V; ++v)
-            w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
+            w[v] = in_register(weight_row<L, F>(words[j][v], t, d[j][v], mn[j][v]));
 #pragma GCC unroll 64
           for (int m = 0; m < MR; ++m) {
-            const float xs = xr[m][b * 32 + k];
+            const float xs = xr[m][k];
 #pragma GCC unroll 64
-            for (int v = 0; v < V; ++v) acc[k % KU][m][v] += w[v] * xs;
+            for (int v = 0; v < V; ++v) acc[j][m][v] += w[v] * xs;
           }
         }
       }
     }
-    panel::store_sums<L>(acc, a.y + r0 * a.N, a.N, p * kNR, a.bias);
   }
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j)
+    panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p + j) * kNR, a.bias);
+}
+
+// Panels [p0, p1) in groups of NP, then the rest in halving groups.
+template <int L, int MR, int NP, Format F>
+FT_INLINE void gguf_groups(const Args& a, const float* const (&xr)[MR], int64_t r0, int64_t p0,
+                           int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) gguf_group<L, MR, NP, F>(a, xr, r0, p);
+  if constexpr (NP > 1) {
+    if (p < p1) gguf_groups<L, MR, NP / 2, F>(a, xr, r0, p, p1);
+  }
+}
+
+// Rows [r0, r0 + MR) of y, panels [p0, p1).
+template <int L, int MR, Format F>
+FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
+  const float* xr[MR];  // the chunk's rows
+#pragma GCC unroll 64
+  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.K;
+  constexpr int kQuantChains = 4;  // each weight vector also costs its dequantizing FMA
+  gguf_groups<L, MR, panel::group_panels(MR * (kNR / L), kQuantChains), F>(a, xr, r0, p0, p1);
 }
 
 // MR from the run-time row count mr (1..MR): one instantiation per value.

@@ -278,8 +278,10 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   }
 
   // Plan: a short allowed list is gathered (one task); a dense row (no mask, or a set of
-  // >= V/16 ids, kept as a bitmask) is cut into chunks when there are too few rows to keep
-  // the threads busy. Chunk bounds are multiples of kBlock.
+  // >= V/16 ids, kept as a bitmask) is cut into chunks of kChunkBlocks blocks, which the
+  // threads share. NOTE: the chunks depend on V alone, never on the row count or the threads:
+  // a row's lse (its chunks' sums merged in chunk order) then has the same bits whatever runs
+  // beside it (batch invariance, issue 23). Serial, the extra chunk merges cost little.
   const int nthreads = at::get_num_threads();
   int64_t work = 0;  // in streamed-element units; a gathered element costs several
   for (int64_t r = 0; r < B; ++r) {
@@ -288,19 +290,12 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   }
   // Below ~200k elements (~50 us on one core) a helper's wake-up (tens of us under the PASSIVE
   // wait policy on a busy machine) eats the gain, so small steps stay on the caller's thread.
-  // Chunks cost top-k insertions (each restarts the list), so rows are cut only when parallel.
   const bool parallel = nthreads > 1 && work >= 200000;
-  int64_t chunks = 1;
-  if (parallel && B < 4 * nthreads) {
-    chunks = (8 * nthreads + B - 1) / B;
-    const int64_t max_chunks = std::max<int64_t>(1, V / (16 * kBlock));
-    chunks = std::min(chunks, max_chunks);
-  }
-  const int64_t blocks = (V + kBlock - 1) / kBlock;
-  const int64_t per_chunk = (blocks + chunks - 1) / chunks * kBlock;
+  constexpr int64_t kChunkBlocks = 8;  // 8192 logits: 6 chunks of a 49152-token vocabulary
+  const int64_t per_chunk = kChunkBlocks * kBlock;
   std::vector<Task> tasks;
   std::vector<int64_t> row_task(B + 1);
-  tasks.reserve(B * chunks);
+  tasks.reserve(B * ((V + per_chunk - 1) / per_chunk));
   for (int64_t r = 0; r < B; ++r) {
     row_task[r] = (int64_t)tasks.size();
     const int64_t n = allowed.end(r) - allowed.begin(r);

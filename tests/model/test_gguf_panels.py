@@ -19,7 +19,6 @@ pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
 
 RTOL = 1e-5  # as tests/test_panel_linear.py: |y - ref| <= RTOL * (|x| @ |W|^T + |b|)
 # Rows up to which the GGUF kernel and the fp32 panels use the same chunks and partial sums.
-SAME_SUMS_ROWS = {"avx512": 8, "avx2": 3, "base": 1}
 TYPES = ["Q4_1", "Q8_0"]
 
 
@@ -101,7 +100,9 @@ def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
 def test_same_sums_as_the_fp32_panels(isa, type_):
     rows, w = random_blocks(type_, 100, 576, seed=5)
     blocks, plain = ops.pack_gguf_panels(rows, type_, 576), ops.pack_panels(w)
-    for m in range(1, SAME_SUMS_ROWS[isa] + 1):
+    # every row count the GGUF panels serve (model/linear.py: FEW_ROWS), on every ISA: the
+    # fp32 panels' bits, so a step's row count never changes a row's result (issue 23)
+    for m in range(1, 9):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         assert torch.equal(ops.panel_linear(x, blocks), ops.panel_linear(x, plain)), m
 

@@ -2,11 +2,11 @@
 (SGLang's), single- and multi-token labels, on the real SmolLM2 and on a tiny checkpoint
 against transformers.
 
-What these show: every label's numbers equal a plain echo request on query + item + label;
-label_token_ids and one-token `labels` give the same numbers; item order, the prefix cache
-(on, off, warm) and the server's load change nothing beyond the fp32 summation-order noise
-(docs/api.md); the request bodies of vLLM's and SGLang's docs work; every refusal names its
-field and position; the KV is all given back.
+What these show: every label's numbers are bit for bit those of a plain echo request on
+query + item + label (the kernels are batch invariant: issue 23); label_token_ids and one-token
+`labels` give the same numbers; item order and the prefix cache (on, off, warm) change nothing;
+the request bodies of vLLM's and SGLang's docs work; every refusal names its field and position;
+the KV is all given back.
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ QUERY = ("Review: the soup was cold, the waiter forgot our order and the bill wa
          "Is this review positive or negative? The review is")
 ITEMS = [" clearly", " honestly", " in my opinion", " probably", " definitely not"]
 LABELS = [" very positive", " positive", " negative", " mixed feelings"]
-
-
-def close(a: float, b: float, rel: float = 1e-5) -> bool:
-    """Equal up to the fp32 summation order of differently shaped steps (docs/api.md)."""
-    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +63,7 @@ def test_multi_token_labels_equal_echo_requests(srv):
             assert lab["token_ids"] == ids(srv, label)
             want = echo_logprobs(srv, prompt + lab["token_ids"], len(prompt))
             assert len(want) == len(lab["token_logprobs"])
-            assert all(close(a, b) for a, b in zip(lab["token_logprobs"], want)), (i, j)
+            assert lab["token_logprobs"] == want, (i, j)
             assert math.isclose(lab["logprob"], math.fsum(lab["token_logprobs"]), abs_tol=1e-12)
             sums.append(lab["logprob"])
         # apply_softmax (vLLM's default): the distribution over the labels
@@ -104,10 +99,9 @@ def test_single_token_labels_both_fields_both_routes(srv):
         assert set(probs) == {str(t) for t in ltids}
         # SGLang's default apply_softmax is false too: the full-vocabulary probabilities
         for j, t in enumerate(ltids):
-            assert close(probs[str(t)], s["scores"][i][j], 1e-6)
-            assert close(probs[str(t)], m["results"][i]["label_probs"][j], 1e-6)
+            assert probs[str(t)] == s["scores"][i][j] == m["results"][i]["label_probs"][j]
             lp = echo_logprobs(srv, q + ids(srv, item) + [t], len(q) + len(ids(srv, item)))[0]
-            assert close(math.log(probs[str(t)]), lp)
+            assert probs[str(t)] == math.exp(lp)
         assert sum(probs.values()) < 1.0
 
 
@@ -128,8 +122,7 @@ def test_item_order_and_the_prefix_cache_change_nothing(srv, smollm2_fp32):
         for other in (warm["results"][i], back["results"][len(ITEMS) - 1 - i],
                       uncached["results"][i]):
             for la, lb in zip(a, other["labels"]):
-                assert la["token_ids"] == lb["token_ids"]
-                assert all(close(x, y) for x, y in zip(la["token_logprobs"], lb["token_logprobs"]))
+                assert la == lb
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > \
         cold["usage"]["prompt_tokens_details"]["cached_tokens"] - 1
 
@@ -145,7 +138,7 @@ def test_token_id_query_items_and_item_first(srv):
             got = body["labels"][i][j]
             prompt = item + q  # item first; ids are used exactly, nothing added
             want = echo_logprobs(srv, prompt + lab, len(prompt))
-            assert all(close(a, b) for a, b in zip(got["token_logprobs"], want))
+            assert got["token_logprobs"] == want
         assert math.isclose(sum(body["scores"][i]), 1.0, rel_tol=1e-12)
 
 

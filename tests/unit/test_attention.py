@@ -272,11 +272,9 @@ def test_kernel_decodes(isa, dtype, nh, kvh, hd):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("hd", [37, 40, 64])
 def test_kernel_decode_dot_products(isa, dtype, group, hd):
-    """The decode path (tasks of one token and at most 8 columns: S by dot products, 16 / 8 / 4
-    keys reduced across lanes at once, columns in chunks of at most 4): groups 1 to 8 (5 and 8
-    in two chunks), head_dim 37 (a tail on every ISA), 40 (a tail on AVX-512), 64; contexts
-    around the vector width (keys padded to it) and past one key tile (256), windows of 1, 20
-    and 270 (across the tile boundary)."""
+    """Tasks of one token and at most 8 columns (decode: the narrow shapes): groups 1 to 8,
+    head_dim 37 (a tail on every ISA), 40 (a tail on AVX-512), 64; contexts around the vector
+    width and past one key tile (256), windows of 1, 20 and 270 (across the tile boundary)."""
     shapes = [(0, 1), (1, 1), (14, 1), (15, 1), (16, 1), (62, 1), (256, 1), (299, 1)]
     args = make_step(shapes, 2 * group, 2, hd, dtype, seed=group * 100 + hd)
     ops.configure(cpu_isa=isa)
@@ -284,6 +282,56 @@ def test_kernel_decode_dot_products(isa, dtype, group, hd):
         for window in (None, 1, 20, 270):
             got = ops.paged_attention(*args, hd**-0.5, window)
             assert_close_to_reference(got, kernel_reference(*args, hd**-0.5, window), dtype)
+    finally:
+        ops.configure()
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [None, 37, 300])
+def test_a_querys_result_does_not_depend_on_the_step(isa, window):
+    """Batch invariance (issue 23): the output at a position has the same bits whether its query
+    is computed alone (a decode step), in chunks of any size, all 600 at once, beside other
+    sequences, or at 1 or 2 threads; keys past one tile (256), windows across tile bounds."""
+    nh, kvh, hd, n = 9, 3, 64, 600
+    (q, k_cache, v_cache, tables, _, _) = make_step([(0, n)], nh, kvh, hd, torch.float32, seed=3)
+    other = make_step([(40, 30)], nh, kvh, hd, torch.float32, seed=4)
+
+    def run(a, b, with_other=False):
+        """Positions [a, b) of the sequence as one step (optionally behind another sequence)."""
+        if not with_other:
+            return ops.paged_attention(q[a:b], k_cache, v_cache, tables, torch.tensor([b]),
+                                       torch.tensor([0, b - a]), 0.125, window)
+        oq, ok, ov, ot, ol, oqsl = other
+        kc, vc = torch.cat([k_cache, ok]), torch.cat([v_cache, ov])
+        width = max(tables.shape[1], ot.shape[1])
+        tab = torch.zeros(2, width, dtype=torch.long)
+        tab[0, :ot.shape[1]] = ot[0] + k_cache.shape[0]
+        tab[1, :tables.shape[1]] = tables[0]
+        out = ops.paged_attention(torch.cat([oq, q[a:b]]), kc, vc, tab,
+                                  torch.tensor([int(ol[0]), b]),
+                                  torch.tensor([0, int(oqsl[1]), int(oqsl[1]) + b - a]), 0.125,
+                                  window)
+        return out[int(oqsl[1]):]
+
+    ops.configure(cpu_isa=isa)
+    try:
+        whole = run(0, n)
+        assert_close_to_reference(whole, kernel_reference(
+            q, k_cache, v_cache, tables, torch.tensor([n]), torch.tensor([0, n]), 0.125, window),
+            torch.float32)
+        for p in (0, 1, 255, 256, 257, 599):  # alone: one query token
+            assert torch.equal(run(p, p + 1), whole[p:p + 1]), p
+        for chunk in (7, 96, 250):
+            parts = torch.cat([run(a, min(n, a + chunk)) for a in range(0, n, chunk)])
+            assert torch.equal(parts, whole), chunk
+        assert torch.equal(run(200, 330, with_other=True), whole[200:330])
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(run(0, n), whole)
+            assert torch.equal(run(599, 600), whole[599:])
+        finally:
+            torch.set_num_threads(1)
     finally:
         ops.configure()
 

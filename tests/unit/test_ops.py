@@ -258,6 +258,31 @@ def test_two_threads_match_one(impl):
     assert_matches(two, reference(x, 20, lists, bias), tol)
 
 
+@pytest.mark.skipif(not HAS_EXT, reason="freetoken._C not built")
+@pytest.mark.parametrize("V", [111, 49152, 151936])
+def test_a_rows_results_do_not_depend_on_the_batch_or_threads(V):
+    """Batch invariance (issue 23): a row's ids, logprobs and lse have the same bits alone, in
+    batches of 2 to 16 rows (a batch's size changes how the threads share the rows) and at 1
+    or 2 threads, dense, masked and with bias."""
+    x = randn(16, V, seed=V)
+    lists = [[] if r % 3 else list(range(r, V, 7)) for r in range(16)]
+    bias = [[(r * 5 % V, 3.0)] if r % 2 else [] for r in range(16)]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [ops.topk_logprobs(x[r:r + 1], 20, compact(lists[r:r + 1]),
+                                   compact_bias(bias[r:r + 1])) for r in range(16)]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for B in (2, 5, 16):
+                got = ops.topk_logprobs(x[:B], 20, compact(lists[:B]), compact_bias(bias[:B]))
+                for r in range(B):
+                    for a, b in zip(got, alone[r]):
+                        assert torch.equal(a[r], b[0]), (V, threads, B, r)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_noncontiguous_and_batch_of_zero():
     x = randn(4, 300, seed=21)[:, ::2]
     ids, lps, lse = ops.topk_logprobs(x, 3)
