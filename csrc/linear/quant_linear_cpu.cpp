@@ -19,7 +19,7 @@
 // shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
-// NP panels at once for small MR (4 FMA chains: each weight also costs a dequantizing FMA);
+// up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels);
 // per block row the dequantized vector is shared by the MR FMAs. Every output is one FMA chain
 // over k = 0..K-1 then + bias, the fp32 panels' order: these give their bits, whatever the row
 // count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
@@ -120,38 +120,36 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
   for (int64_t b = 0; b < nb; ++b) {
-    vf d[NP][V], mn[NP][V];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const uint8_t* bj = blk[j] + b * kBlock;
 #pragma GCC unroll 16
       for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(bj + kPrefetchBytes + l, 0, 3);
-      const float* dp = reinterpret_cast<const float*>(bj);
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) {
-        d[j][v] = loadu<L>(dp + v * L);
-        mn[j][v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
-      }
     }
 #pragma GCC unroll 8
     for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
-      vu words[NP][V];
+      // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
+      // panels' at once spilled at one row); the out-of-order core overlaps the panels' chains
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
-        const uint8_t* q = blk[j] + b * kBlock + kScales * kNR * 4;
+        const uint8_t* bj = blk[j] + b * kBlock;
+        const float* dp = reinterpret_cast<const float*>(bj);
+        const uint8_t* q = bj + kScales * kNR * 4;
+        vf d[V], mn[V];
+        vu words[V];
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v)
-          std::memcpy(&words[j][v], q + (g * kNR + v * L) * 4, sizeof(vu));
-      }
+        for (int v = 0; v < V; ++v) {
+          d[v] = loadu<L>(dp + v * L);
+          mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+          std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+        }
 #pragma GCC unroll 8
-      for (int t = 0; t < kRows; ++t) {
-        const int64_t k = b * 32 + kRows * g + t;
-#pragma GCC unroll 8
-        for (int j = 0; j < NP; ++j) {
+        for (int t = 0; t < kRows; ++t) {
+          const int64_t k = b * 32 + kRows * g + t;
           vf w[V];
 #pragma GCC unroll 64
           for (int v = 0; v < V; ++v)
-            w[v] = in_register(weight_row<L, F>(words[j][v], t, d[j][v], mn[j][v]));
+            w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
 #pragma GCC unroll 64
           for (int m = 0; m < MR; ++m) {
             const float xs = xr[m][k];
@@ -184,8 +182,11 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   const float* xr[MR];  // the chunk's rows
 #pragma GCC unroll 64
   for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.K;
-  constexpr int kQuantChains = 4;  // each weight vector also costs its dequantizing FMA
-  gguf_groups<L, MR, panel::group_panels(MR * (kNR / L), kQuantChains), F>(a, xr, r0, p0, p1);
+  // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
+  // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
+  // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
+  constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
+  gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
 }
 
 // MR from the run-time row count mr (1..MR): one instantiation per value.

@@ -8,7 +8,9 @@
     than MKL's F.linear on this project's AMD EPYC), plus panels for steps of few rows (below);
     fp32 without the extension: oneDNN;
   * everywhere else: F.linear.
-All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a logit).
+All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a logit). The
+panels' order, and the in-place kernel's, never depends on the row count: a row's result is the
+same whatever steps beside it (batch invariance: docs/api.md, Determinism).
 
 A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32 (fp32 on the CPU with
 freetoken._C, linear "auto"; "gguf" whatever the size) takes none of these: its weights stay in
