@@ -30,10 +30,9 @@
 // score is one FMA chain over d, each column's softmax sum and O one chain over its keys in
 // tiles at fixed multiples of kKeyTile (keys a column cannot see are -inf, adding exact zeros),
 // whatever the other columns of its task, the task split, the threads or how many query tokens
-// the step has. So a decode token (one query) also takes this walk: the dot-product decode
-// kernel it had summed in another order (~1.75x faster per task at G = 3 with K/V in cache, but
-// a decode step's attention is mostly K/V reads: 8 streams at context 1000 and 2000, 13-14 and
-// 45 ms a step either way).
+// the step has. So a decode token (one query) takes this walk too, its S^T computed by vectors
+// of keys with the same sums (qk_keys; the dot-product decode kernel it had summed in another
+// order).
 //
 // Numerics: fp32 scores, softmax and sums (as SDPA on CPU); q pre-scaled; exp by a polynomial
 // (error < 2e-7 relative; std::exp does not vectorize without -ffast-math). bf16 / fp16 pools
@@ -166,21 +165,26 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   // A half-full last vector goes through QKT.
   const int64_t tail_real = nc - (nv - 1) * LC;
   const bool narrow_tail = K::kTailLC < LC && tail_real <= K::kTailLC;
+  const bool one_token = nc <= 8 && t.col0 / G == (t.col1 - 1) / G;  // decode: G columns
 
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, key_hi - k0);
     row_pointers<CacheT>(pr, t, w, k0, n);
     prefetch_rows(w, 0, std::min(n, kPrefetchKeys), hd);
     // S^T = K Q^T, per group of column vectors only over the keys some column in it can see
-    // (the mask below hides the rest).
-    const int64_t full_vecs = narrow_tail ? nv - 1 : nv;
-    for (int64_t v0 = 0; v0 < full_vecs; v0 += K::kNP) {
-      const int64_t v1 = std::min(full_vecs, v0 + K::kNP);
-      const int64_t last = std::min(nc - 1, v1 * LC - 1);
-      const int64_t keys = std::min(n, pos_of(last) + 1 - k0);
-      K::qk(w, keys, v0 * LC, v1 - v0, cw, hd);
+    // (the mask below hides the rest); one token's few columns by vectors of keys instead.
+    if (one_token) {
+      K::qk_one_token(w, n, nc, cw, hd);
+    } else {
+      const int64_t full_vecs = narrow_tail ? nv - 1 : nv;
+      for (int64_t v0 = 0; v0 < full_vecs; v0 += K::kNP) {
+        const int64_t v1 = std::min(full_vecs, v0 + K::kNP);
+        const int64_t last = std::min(nc - 1, v1 * LC - 1);
+        const int64_t keys = std::min(n, pos_of(last) + 1 - k0);
+        K::qk(w, keys, v0 * LC, v1 - v0, cw, hd);
+      }
+      if (narrow_tail) K::qk_tail(w, n, (nv - 1) * LC, cw, hd);
     }
-    if (narrow_tail) K::qk_tail(w, n, (nv - 1) * LC, cw, hd);
     // The mask: row p hides the columns before the first token at position >= p (causal) and,
     // with a window, the columns from the first token at position >= p + window.
     for (int64_t j = 0; j < n; ++j) {

@@ -1,7 +1,7 @@
 // The micro-kernels of csrc/attention/paged_attention_cpu.cpp: vectors of L floats (GCC vector
 // extensions), the exp of the softmax, the two register-blocked products of a key tile
-// (S^T = K Q^T and O += P V), the prefetch of the rows and, per ISA, their loops as out-of-line
-// functions.
+// (S^T = K Q^T and O += P V), decode's S^T by vectors of keys (qk_keys: the same sums), the
+// prefetch of the rows and, per ISA, their loops as out-of-line functions.
 // Included by paged_attention_cpu.cpp only; everything inlines into the ISA-targeted callers.
 #pragma once
 
@@ -199,6 +199,66 @@ FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, i
   }
 }
 
+// One query token (decode): S^T[j, c] for keys [0, n) and NC columns, by vectors of L keys. L
+// key rows are transposed in registers, L head dimensions at a time, so each score is still
+// the one FMA chain over d that qk_block computes (the same bits: batch invariance) with every
+// lane in use, where qk_block's column vectors would hold NC (3 at G = 3) of their L lanes
+// (decode attention ~2x the time). The row's padding lanes [NC, cw) repeat column NC - 1, as
+// Q^T's padding columns do. The first pass requests the rows kPrefetchKeys ahead.
+template <int L, int NC>
+FT_INLINE void qk_keys_cols(const Scratch& w, int64_t n, int64_t cw, int64_t hd) {
+  using vf = typename Vec<L>::f;
+  for (int64_t j0 = 0; j0 < n; j0 += L) {
+    const int64_t nk = std::min<int64_t>(L, n - j0);
+    if (j0 + kPrefetchKeys < n)
+      prefetch_rows(w, j0 + kPrefetchKeys, std::min(n, j0 + kPrefetchKeys + L), hd);
+    const float* k[L];
+#pragma GCC unroll 16
+    for (int i = 0; i < L; ++i) k[i] = w.krow[j0 + std::min<int64_t>(i, nk - 1)];
+    vf acc[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[c] = vf{};
+    int64_t d0 = 0;
+    for (; d0 + L <= hd; d0 += L) {
+      vf t[L];
+#pragma GCC unroll 16
+      for (int i = 0; i < L; ++i) t[i] = loadu<L>(k[i] + d0);
+      vec::transpose<L>(t);  // t[dd]: dimension d0 + dd of the L keys
+#pragma GCC unroll 16
+      for (int dd = 0; dd < L; ++dd)
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) acc[c] += t[dd] * w.qt[(d0 + dd) * cw + c];
+    }
+    for (; d0 < hd; ++d0) {  // a head_dim tail
+      vf kv;
+#pragma GCC unroll 16
+      for (int i = 0; i < L; ++i) kv[i] = k[i][d0];
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[c] += kv * w.qt[d0 * cw + c];
+    }
+    for (int64_t i = 0; i < nk; ++i) {
+      float* row = w.s + (j0 + i) * cw;
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) row[c] = acc[c][i];
+      for (int64_t c = NC; c < cw; ++c) row[c] = acc[NC - 1][i];
+    }
+  }
+}
+
+template <int L>
+FT_INLINE void qk_keys(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int64_t hd) {
+  switch (nc) {
+    case 1: return qk_keys_cols<L, 1>(w, n, cw, hd);
+    case 2: return qk_keys_cols<L, 2>(w, n, cw, hd);
+    case 3: return qk_keys_cols<L, 3>(w, n, cw, hd);
+    case 4: return qk_keys_cols<L, 4>(w, n, cw, hd);
+    case 5: return qk_keys_cols<L, 5>(w, n, cw, hd);
+    case 6: return qk_keys_cols<L, 6>(w, n, cw, hd);
+    case 7: return qk_keys_cols<L, 7>(w, n, cw, hd);
+    default: return qk_keys_cols<L, 8>(w, n, cw, hd);
+  }
+}
+
 // O = alpha O + P V over columns [0, nc) (PV::kMC at a time), each group only over the keys
 // its last column can see: keys_seen(c) = min(n, keys visible to column c); a head_dim tail
 // (hd % L) in scalar code. P as in pv_block, at stride ps.
@@ -250,6 +310,11 @@ struct Shapes {
                                                     int64_t cw, int64_t hd, int64_t seen0,        \
                                                     int64_t col0, int64_t G) {                    \
       pv_range<typename NAME::PV>(w, n, nc, cw, hd, seen0, col0, G);                              \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void qk_one_token(const Scratch& w, int64_t n,        \
+                                                              int64_t nc, int64_t cw,             \
+                                                              int64_t hd) {                       \
+      qk_keys<NAME::kL>(w, n, nc, cw, hd);                                                        \
     }                                                                                             \
   };
 

@@ -1,6 +1,6 @@
 // Vectors of L lanes (GCC vector extensions) for the CPU kernels written once and compiled per
 // ISA (common/isa.h): L = 16 on AVX-512, 8 on AVX2, 4 on baseline x86-64. Shared by the panel
-// linears and paged attention.
+// linears and paged attention, with the register transpose both use.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +43,33 @@ FT_INLINE T in_register(T v) {
   asm("" : "+x"(v));
 #endif
   return v;
+}
+
+// One stage of an L x L register transpose: in every pair of vectors (i, i + S), i without bit
+// S, the lanes with bit S set in t[i] trade places with the lanes without it in t[i + S].
+template <int L, int S>
+FT_INLINE void transpose_stage(typename Vec<L>::f (&t)[L]) {
+  using vi = typename Vec<L>::i;
+  vi lo, hi;
+#pragma GCC unroll 16
+  for (int j = 0; j < L; ++j) {
+    lo[j] = (j & S) ? L + j - S : j;
+    hi[j] = (j & S) ? L + j : j + S;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < L; ++i) {
+    if (i & S) continue;
+    const auto a = t[i], b = t[i + S];
+    t[i] = __builtin_shuffle(a, b, lo);
+    t[i + S] = __builtin_shuffle(a, b, hi);
+  }
+  if constexpr (S > 1) transpose_stage<L, S / 2>(t);
+}
+
+// t[m][k] -> t[k][m] in registers (the stages S = L / 2 .. 1).
+template <int L>
+FT_INLINE void transpose(typename Vec<L>::f (&t)[L]) {
+  transpose_stage<L, L / 2>(t);
 }
 
 }  // namespace vec

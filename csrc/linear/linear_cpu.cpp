@@ -237,28 +237,6 @@ FT_INLINE void run(const Args<WT>& a, int64_t p0, int64_t p1) {
   }
 }
 
-// One stage of an L x L register transpose: in every pair of vectors (i, i + S), i without bit
-// S, the lanes with bit S set in t[i] trade places with the lanes without it in t[i + S]. The
-// stages S = L / 2 .. 1 together turn t[m][k] into t[k][m].
-template <int L, int S>
-FT_INLINE void transpose_stage(typename Vec<L>::f (&t)[L]) {
-  using vi = typename Vec<L>::i;
-  vi lo, hi;
-#pragma GCC unroll 16
-  for (int j = 0; j < L; ++j) {
-    lo[j] = (j & S) ? L + j - S : j;
-    hi[j] = (j & S) ? L + j : j + S;
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < L; ++i) {
-    if (i & S) continue;
-    const auto a = t[i], b = t[i + S];
-    t[i] = __builtin_shuffle(a, b, lo);
-    t[i + S] = __builtin_shuffle(a, b, hi);
-  }
-  if constexpr (S > 1) transpose_stage<L, S / 2>(t);
-}
-
 // Chunk c of `chunks` (module comment: rows cut into equal chunks, each [K, mr] at offset
 // r0 * K of xt): fp32 rows by L x L register transposes, L k at a time. A k's L lanes are
 // stored whole where they stay inside the chunk: the lanes past mr are overwritten by the next
@@ -275,7 +253,7 @@ FT_INLINE void transpose_chunk(const float* x, int64_t M, int64_t K, int64_t c, 
     vf t[L];
 #pragma GCC unroll 16
     for (int m = 0; m < L; ++m) t[m] = loadu<L>(rows + std::min<int64_t>(m, mr - 1) * K + k0);
-    transpose_stage<L, L / 2>(t);
+    vec::transpose<L>(t);
 #pragma GCC unroll 16
     for (int j = 0; j < L; ++j) {
       float* dst = o + (k0 + j) * mr;
