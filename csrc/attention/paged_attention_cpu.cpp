@@ -30,9 +30,9 @@
 // score is one FMA chain over d, each column's softmax sum and O one chain over its keys in
 // tiles at fixed multiples of kKeyTile (keys a column cannot see are -inf, adding exact zeros),
 // whatever the other columns of its task, the task split, the threads or how many query tokens
-// the step has. So a decode token (one query) takes this walk too, its S^T computed by vectors
-// of keys with the same sums (qk_keys; the dot-product decode kernel it had summed in another
-// order).
+// the step has, and a decode task (one query token, run_decode) computes the same sums in the
+// same order, vectorized across keys instead of across its few columns: a token has the same
+// bits decoded or scored as part of a prompt.
 //
 // Numerics: fp32 scores, softmax and sums (as SDPA on CPU); q pre-scaled; exp by a polynomial
 // (error < 2e-7 relative; std::exp does not vectorize without -ffast-math). bf16 / fp16 pools
@@ -134,6 +134,77 @@ FT_INLINE void row_pointers(const Problem& pr, const Task& t, const Scratch& w, 
 }
 
 // One task, with one ISA's kernels K.
+// A task of one query token and at most 8 columns (decode: the G heads of one kv head): run_task's
+// sums in run_task's order (the same bits), vectorized across keys instead of across the few
+// columns. S [cols, keys] (row stride kKeyTile) by qk_keys; per column its max, exp and sum
+// (kSumParts parts) along its keys; O += P V by pv_cols, one chain over the keys as pv.
+template <class K, typename CacheT>
+FT_INLINE void run_decode(const Problem& pr, const Task& t, const Scratch& w) {
+  constexpr int L = K::kL;
+  constexpr int LS = L < kSumParts ? L : kSumParts;  // lanes of the sum's vectors
+  constexpr int64_t kPad = L > kSumParts ? L : kSumParts;
+  using vf = typename Vec<L>::f;
+  using vs = typename Vec<LS>::f;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t ss = kKeyTile, cw = 8;
+  const int64_t hd = pr.hd, G = pr.group, nc = t.col1 - t.col0;
+  const int64_t q0 = pr.qsl[t.seq], token = t.col0 / G;
+  const int64_t pos = pr.seq_lens[t.seq] - (pr.qsl[t.seq + 1] - q0) + token;
+  // Q^T [hd, cw], scaled, as run_task packs it.
+  for (int64_t c = 0; c < cw; ++c) {
+    const int64_t gc = t.col0 + std::min(c, nc - 1);
+    const float* qr = pr.q + (q0 + token) * pr.q_row + (t.kv_head * G + gc % G) * hd;
+    for (int64_t d = 0; d < hd; ++d) w.qt[d * cw + c] = qr[d] * pr.scale;
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    w.m[c] = kNegInf;
+    w.l[c] = 0.f;
+  }
+  std::memset(w.o, 0, sizeof(float) * nc * hd);
+  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+  for (int64_t k0 = lo / kKeyTile * kKeyTile; k0 <= pos; k0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, pos + 1 - k0), n_pad = (n + kPad - 1) / kPad * kPad;
+    row_pointers<CacheT>(pr, t, w, k0, n);
+    for (int64_t j = n; j < n_pad; ++j) w.krow[j] = w.krow[n - 1];
+    prefetch_rows(w, 0, std::min(n, kPrefetchKeys), hd);
+    K::qk_one_token(w, n_pad, nc, cw, hd, ss);
+    const int64_t hidden = std::clamp<int64_t>(lo - k0, 0, n);  // keys the window hides
+    for (int64_t c = 0; c < nc; ++c) {
+      float* row = w.s + c * ss;
+      for (int64_t j = 0; j < hidden; ++j) row[j] = kNegInf;
+      for (int64_t j = n; j < n_pad; ++j) row[j] = kNegInf;
+      const float m_old = w.m[c];
+      vf mx = splat<L>(m_old);
+      for (int64_t j = 0; j < n_pad; j += L) {
+        const vf x = loadu<L>(row + j);
+        mx = x > mx ? x : mx;
+      }
+      float m_new = mx[0];
+      for (int i = 1; i < L; ++i) m_new = std::max(m_new, mx[i]);
+      const float shift = m_new == kNegInf ? 0.f : m_new;
+      for (int64_t j = 0; j < n_pad; j += L)
+        storeu<L>(row + j, exp_nonpositive<L>(loadu<L>(row + j) - shift));
+      vs part[kSumParts / LS] = {};
+      for (int64_t j = 0; j < n_pad; j += kSumParts)
+#pragma GCC unroll 8
+        for (int u = 0; u < kSumParts / LS; ++u) part[u] += loadu<LS>(row + j + u * LS);
+      float parts[kSumParts];
+      for (int u = 0; u < kSumParts; ++u) parts[u] = part[u / LS][u % LS];
+      const float a = exp_nonpositive<L>(splat<L>(m_old - shift))[0];
+      w.alpha[c] = a;
+      w.l[c] = w.l[c] * a + sum_parts(parts);
+      w.m[c] = m_new;
+    }
+    K::pv_cols(w, n, nc, ss, hd);
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t gc = t.col0 + c;
+    float* dst = pr.out + ((q0 + token) * pr.nh + t.kv_head * G + gc % G) * hd;
+    const float inv = 1.f / w.l[c];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = w.o[c * hd + d] * inv;
+  }
+}
+
 template <class K, typename CacheT>
 FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   constexpr int LC = K::kLC;
@@ -141,6 +212,7 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t hd = pr.hd, G = pr.group, s = t.seq;
   const int64_t nc = t.col1 - t.col0, nv = (nc + LC - 1) / LC, cw = nv * LC;
+  if (nc <= 8 && t.col0 / G == (t.col1 - 1) / G) return run_decode<K, CacheT>(pr, t, w);
   const int64_t seq_len = pr.seq_lens[s], q0 = pr.qsl[s];
   const int64_t first_pos = seq_len - (pr.qsl[s + 1] - q0);
   // Columns are in token order, so column c's query position is non-decreasing in c.
@@ -165,26 +237,21 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   // A half-full last vector goes through QKT.
   const int64_t tail_real = nc - (nv - 1) * LC;
   const bool narrow_tail = K::kTailLC < LC && tail_real <= K::kTailLC;
-  const bool one_token = nc <= 8 && t.col0 / G == (t.col1 - 1) / G;  // decode: G columns
 
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, key_hi - k0);
     row_pointers<CacheT>(pr, t, w, k0, n);
     prefetch_rows(w, 0, std::min(n, kPrefetchKeys), hd);
     // S^T = K Q^T, per group of column vectors only over the keys some column in it can see
-    // (the mask below hides the rest); one token's few columns by vectors of keys instead.
-    if (one_token) {
-      K::qk_one_token(w, n, nc, cw, hd);
-    } else {
-      const int64_t full_vecs = narrow_tail ? nv - 1 : nv;
-      for (int64_t v0 = 0; v0 < full_vecs; v0 += K::kNP) {
-        const int64_t v1 = std::min(full_vecs, v0 + K::kNP);
-        const int64_t last = std::min(nc - 1, v1 * LC - 1);
-        const int64_t keys = std::min(n, pos_of(last) + 1 - k0);
-        K::qk(w, keys, v0 * LC, v1 - v0, cw, hd);
-      }
-      if (narrow_tail) K::qk_tail(w, n, (nv - 1) * LC, cw, hd);
+    // (the mask below hides the rest).
+    const int64_t full_vecs = narrow_tail ? nv - 1 : nv;
+    for (int64_t v0 = 0; v0 < full_vecs; v0 += K::kNP) {
+      const int64_t v1 = std::min(full_vecs, v0 + K::kNP);
+      const int64_t last = std::min(nc - 1, v1 * LC - 1);
+      const int64_t keys = std::min(n, pos_of(last) + 1 - k0);
+      K::qk(w, keys, v0 * LC, v1 - v0, cw, hd);
     }
+    if (narrow_tail) K::qk_tail(w, n, (nv - 1) * LC, cw, hd);
     // The mask: row p hides the columns before the first token at position >= p (causal) and,
     // with a window, the columns from the first token at position >= p + window.
     for (int64_t j = 0; j < n; ++j) {
@@ -217,14 +284,26 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
       const vf m_new = mx[2] > mx[0] ? mx[2] : mx[0];
       // A column that has seen no key yet keeps max -inf; shift by 0 so exp gives 0, not NaN.
       const vf shift = m_new == splat<LC>(kNegInf) ? vf{} : m_new;
-      vf sum = vf{};
-      for (j = 0; j < n; ++j) {
+      // the sum in kSumParts parts (paged_attention_kernels.h), as run_decode sums it
+      vf part[kSumParts];
+#pragma GCC unroll 8
+      for (int u = 0; u < kSumParts; ++u) part[u] = vf{};
+      for (j = 0; j + kSumParts <= n; j += kSumParts)
+#pragma GCC unroll 8
+        for (int u = 0; u < kSumParts; ++u) {
+          float* row = w.s + (j + u) * cw + v * LC;
+          const vf e = exp_nonpositive<LC>(loadu<LC>(row) - shift);
+          storeu<LC>(row, e);
+          part[u] += e;
+        }
+      for (int u = 0; j < n; ++j, ++u) {
         float* row = w.s + j * cw + v * LC;
         const vf e = exp_nonpositive<LC>(loadu<LC>(row) - shift);
         storeu<LC>(row, e);
-        sum += e;
+        part[u] += e;
       }
-      const vf a = exp_nonpositive<LC>(m_old - shift);
+      const vf sum = sum_parts(part);
+      const vf a = exp_nonpositive<LC>(m_old - shift);  // (sum: the parts, below)
       storeu<LC>(w.alpha + v * LC, a);
       storeu<LC>(w.l + v * LC, loadu<LC>(w.l + v * LC) * a + sum);
       storeu<LC>(w.m + v * LC, m_new);

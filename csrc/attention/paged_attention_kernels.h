@@ -94,8 +94,10 @@ FT_INLINE void qk_any(int mr, int np, const float* const* krow, const float* qt,
 }
 
 // O[c, voff + v*L ..] = alpha[c] O[c, ..] + sum_p P[p, c] V[p, voff + v*L ..] for MC columns
-// and VC vectors of the head dimension; o's row stride is hd. P[p, c] is p[p * ps + c].
-template <int L, int MC, int VC>
+// and VC vectors of the head dimension; o's row stride is hd. P[p, c] is p[p * ps + c], or
+// with kColMajor (decode's probabilities, keys along a column) p[c * ps + p]. Either way each
+// output is one chain over p (the same bits).
+template <int L, int MC, int VC, bool kColMajor>
 FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const float* p,
                         int64_t ps, const float* alpha, float* o, int64_t hd) {
   using vf = typename Vec<L>::f;
@@ -111,7 +113,7 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) vv[v] = in_register(loadu<L>(vr + v * L));
 #pragma GCC unroll 16
     for (int m = 0; m < MC; ++m) {
-      const float pb = p[j * ps + m];
+      const float pb = kColMajor ? p[m * ps + j] : p[j * ps + m];
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) acc[m][v] += vv[v] * pb;
     }
@@ -122,18 +124,18 @@ FT_INLINE void pv_block(const float* const* vrow, int64_t n, int64_t voff, const
     for (int v = 0; v < VC; ++v) storeu<L>(o + m * hd + voff + v * L, acc[m][v]);
 }
 
-template <int L, int MC, int VC>
+template <int L, int MC, int VC, bool kColMajor>
 FT_INLINE void pv_any(int mc, int vc, const float* const* vrow, int64_t n, int64_t voff,
                       const float* p, int64_t ps, const float* alpha, float* o, int64_t hd) {
   if constexpr (MC > 1) {
     if (mc < MC)
-      return pv_any<L, MC - 1, VC>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
+      return pv_any<L, MC - 1, VC, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
   if constexpr (VC > 1) {
     if (vc < VC)
-      return pv_any<L, MC, VC - 1>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
+      return pv_any<L, MC, VC - 1, kColMajor>(mc, vc, vrow, n, voff, p, ps, alpha, o, hd);
   }
-  pv_block<L, MC, VC>(vrow, n, voff, p, ps, alpha, o, hd);
+  pv_block<L, MC, VC, kColMajor>(vrow, n, voff, p, ps, alpha, o, hd);
 }
 
 // A task's scratch, sized by the caller (std:: code stays out of the ISA bodies).
@@ -199,14 +201,13 @@ FT_INLINE void qk_range(const Scratch& w, int64_t n, int64_t c0, int64_t nvec, i
   }
 }
 
-// One query token (decode): S^T[j, c] for keys [0, n) and NC columns, by vectors of L keys. L
-// key rows are transposed in registers, L head dimensions at a time, so each score is still
-// the one FMA chain over d that qk_block computes (the same bits: batch invariance) with every
-// lane in use, where qk_block's column vectors would hold NC (3 at G = 3) of their L lanes
-// (decode attention ~2x the time). The row's padding lanes [NC, cw) repeat column NC - 1, as
-// Q^T's padding columns do. The first pass requests the rows kPrefetchKeys ahead.
+// One query token (decode): S[c, j] (row stride ss) for keys [0, n) (n a multiple of L) and NC
+// columns, by vectors of L keys. L key rows are transposed in registers, L head dimensions at a
+// time, so each score is still the one FMA chain over d that qk_block computes (the same bits:
+// batch invariance) with every lane in use, where qk_block's column vectors would hold NC (3 at
+// G = 3) of their L lanes. q is Q^T [hd, cw] as run_task packs it. Rows kPrefetchKeys ahead.
 template <int L, int NC>
-FT_INLINE void qk_keys_cols(const Scratch& w, int64_t n, int64_t cw, int64_t hd) {
+FT_INLINE void qk_keys_cols(const Scratch& w, int64_t n, int64_t cw, int64_t hd, int64_t ss) {
   using vf = typename Vec<L>::f;
   for (int64_t j0 = 0; j0 < n; j0 += L) {
     const int64_t nk = std::min<int64_t>(L, n - j0);
@@ -236,33 +237,40 @@ FT_INLINE void qk_keys_cols(const Scratch& w, int64_t n, int64_t cw, int64_t hd)
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) acc[c] += kv * w.qt[d0 * cw + c];
     }
-    for (int64_t i = 0; i < nk; ++i) {
-      float* row = w.s + (j0 + i) * cw;
 #pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) row[c] = acc[c][i];
-      for (int64_t c = NC; c < cw; ++c) row[c] = acc[NC - 1][i];
-    }
+    for (int c = 0; c < NC; ++c) storeu<L>(w.s + c * ss + j0, acc[c]);
   }
 }
 
 template <int L>
-FT_INLINE void qk_keys(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int64_t hd) {
+FT_INLINE void qk_keys(const Scratch& w, int64_t n, int64_t nc, int64_t cw, int64_t hd,
+                       int64_t ss) {
   switch (nc) {
-    case 1: return qk_keys_cols<L, 1>(w, n, cw, hd);
-    case 2: return qk_keys_cols<L, 2>(w, n, cw, hd);
-    case 3: return qk_keys_cols<L, 3>(w, n, cw, hd);
-    case 4: return qk_keys_cols<L, 4>(w, n, cw, hd);
-    case 5: return qk_keys_cols<L, 5>(w, n, cw, hd);
-    case 6: return qk_keys_cols<L, 6>(w, n, cw, hd);
-    case 7: return qk_keys_cols<L, 7>(w, n, cw, hd);
-    default: return qk_keys_cols<L, 8>(w, n, cw, hd);
+    case 1: return qk_keys_cols<L, 1>(w, n, cw, hd, ss);
+    case 2: return qk_keys_cols<L, 2>(w, n, cw, hd, ss);
+    case 3: return qk_keys_cols<L, 3>(w, n, cw, hd, ss);
+    case 4: return qk_keys_cols<L, 4>(w, n, cw, hd, ss);
+    case 5: return qk_keys_cols<L, 5>(w, n, cw, hd, ss);
+    case 6: return qk_keys_cols<L, 6>(w, n, cw, hd, ss);
+    case 7: return qk_keys_cols<L, 7>(w, n, cw, hd, ss);
+    default: return qk_keys_cols<L, 8>(w, n, cw, hd, ss);
   }
+}
+
+// The softmax's sum over a tile's keys, in one order for both walks: key j goes into partial
+// sum j % kSumParts (each summed in key order), and the parts meet in a fixed tree. run_task
+// keeps the parts in vectors across columns, run_decode in the lanes of vectors across keys.
+constexpr int kSumParts = 8;
+template <typename T>
+FT_INLINE T sum_parts(const T (&p)[kSumParts]) {
+  const T a = p[0] + p[4], b = p[1] + p[5], c = p[2] + p[6], d = p[3] + p[7];
+  return (a + c) + (b + d);
 }
 
 // O = alpha O + P V over columns [0, nc) (PV::kMC at a time), each group only over the keys
 // its last column can see: keys_seen(c) = min(n, keys visible to column c); a head_dim tail
 // (hd % L) in scalar code. P as in pv_block, at stride ps.
-template <class PV>
+template <class PV, bool kColMajor>
 FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t ps, int64_t hd,
                         int64_t seen0, int64_t col0, int64_t G) {
   constexpr int L = PV::kL;
@@ -272,14 +280,15 @@ FT_INLINE void pv_range(const Scratch& w, int64_t n, int64_t nc, int64_t ps, int
     const int64_t keys = std::min(n, seen0 + (col0 + c + mc - 1) / G);
     for (int64_t v = 0; v < full; v += PV::kVC) {
       const int vc = static_cast<int>(std::min<int64_t>(PV::kVC, full - v));
-      pv_any<L, PV::kMC, PV::kVC>(mc, vc, w.vrow, keys, v * L, w.s + c, ps, w.alpha + c,
-                                  w.o + c * hd, hd);
+      pv_any<L, PV::kMC, PV::kVC, kColMajor>(mc, vc, w.vrow, keys, v * L,
+                                             w.s + (kColMajor ? c * ps : c), ps, w.alpha + c,
+                                             w.o + c * hd, hd);
     }
     for (int64_t d = full * L; d < hd; ++d)
       for (int m = 0; m < mc; ++m) {
         float acc = w.o[(c + m) * hd + d] * w.alpha[c + m];
         for (int64_t j = 0; j < keys; ++j)
-          acc += w.s[j * ps + c + m] * w.vrow[j][d];
+          acc += w.s[kColMajor ? (c + m) * ps + j : j * ps + c + m] * w.vrow[j][d];
         w.o[(c + m) * hd + d] = acc;
       }
   }
@@ -309,12 +318,16 @@ struct Shapes {
     TARGET __attribute__((noinline)) static void pv(const Scratch& w, int64_t n, int64_t nc,      \
                                                     int64_t cw, int64_t hd, int64_t seen0,        \
                                                     int64_t col0, int64_t G) {                    \
-      pv_range<typename NAME::PV>(w, n, nc, cw, hd, seen0, col0, G);                              \
+      pv_range<typename NAME::PV, false>(w, n, nc, cw, hd, seen0, col0, G);                       \
     }                                                                                             \
     TARGET __attribute__((noinline)) static void qk_one_token(const Scratch& w, int64_t n,        \
-                                                              int64_t nc, int64_t cw,             \
-                                                              int64_t hd) {                       \
-      qk_keys<NAME::kL>(w, n, nc, cw, hd);                                                        \
+                                                              int64_t nc, int64_t cw, int64_t hd, \
+                                                              int64_t ss) {                       \
+      qk_keys<NAME::kL>(w, n, nc, cw, hd, ss);                                                    \
+    }                                                                                             \
+    TARGET __attribute__((noinline)) static void pv_cols(const Scratch& w, int64_t n, int64_t nc, \
+                                                         int64_t ss, int64_t hd) {                \
+      pv_range<typename NAME::PV, true>(w, n, nc, ss, hd, n, 0, 1);                               \
     }                                                                                             \
   };
 
