@@ -204,6 +204,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    logprob_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     continue_final_message: Annotated[bool | None, NeutralOnly(None, False)] = Field(
