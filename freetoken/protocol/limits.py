@@ -167,8 +167,12 @@ def logit_bias_ids(
                 continue
             tid = int(k)
         if not _in_vocabulary(tid, vocab_size):
-            bad.append((param, f"{param}: token id {tid} is outside the vocabulary "
-                               f"{_vocabulary(vocab_size)}"))
+            bad.append(
+                (
+                    param,
+                    f"{param}: token id {tid} is outside the vocabulary {_vocabulary(vocab_size)}",
+                )
+            )
         elif not is_number(value):
             bad.append((param, f"{param} must be a number, got {value!r}"))
         elif not -MAX_BIAS <= value <= MAX_BIAS:
