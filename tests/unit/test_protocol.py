@@ -782,6 +782,14 @@ def test_openapi_schemas_are_the_models():
     assert comp["additionalProperties"] is False
     assert {"prompt", "allowed_token_ids", "logprobs", "echo"} <= set(comp["properties"])
     assert "prompt" in comp["required"]
+    # the logprobs objects of the 200 bodies carry the allowed-set mass (docs/api.md)
+    schemas = doc["components"]["schemas"]
+    assert "allowed_logprobs" in schemas["CompletionLogprobs"]["properties"]
+    assert "allowed_logprob" in schemas["ChatCompletionTokenLogprob"]["properties"]
+    for path, name in (("/v1/completions", "CompletionResponse"),
+                       ("/v1/chat/completions", "ChatCompletionResponse")):  # fmt: skip
+        ok = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"] == f"#/components/schemas/{name}"
     refs = []
 
     def walk(node):
