@@ -11,7 +11,8 @@ What it is not: the request models' shapes (pydantic, protocol/requests.py), pro
 (protocol/prompts.py), or anything about HTTP.
 
 Every check raises InvalidRequest (ContextTooLong for the context), a ValueError too, whose
-`param` names the field and position: "prompt[1][7]", "logit_bias.5", "stop[2]".
+`param` names the field and position: "prompt[1][7]", "logit_bias.5", "stop[2]"; the first
+problem only, except logit_bias, whose every bad entry is named ("logit_bias.5, logit_bias.x").
 """
 
 from __future__ import annotations
