@@ -487,7 +487,8 @@ merge_kernel(TopkArgs a, int nchunks, const ChunkOut* __restrict__ outs) {
       double fs = 0.0;
       if (fm > ninf && fm < -ninf)
         for (int c = tid; c < nchunks; c += kThreads)
-          if (parts[c].fm > ninf) fs += (double)parts[c].fs * exp((double)parts[c].fm - (double)fm);
+          if (parts[c].fm > ninf)
+            fs += (double)parts[c].fs * exp((double)parts[c].fm - (double)fm);
       for (int o = 16; o > 0; o >>= 1) fs += __shfl_xor_sync(0xffffffffu, fs, o);
       if ((tid & 31) == 0) dred[tid >> 5] = fs;
       __syncthreads();

@@ -393,7 +393,7 @@ FT_ISA_FN void values_impl(const float* vals, const int32_t* ids, int64_t n, int
     const float* src = vals + b0;
     block(LoadFrom{src}, src, buf, nb, nv, 0, ids + b0, nullptr, k, P, acc);
   }
-  const Acc none;  // a gathered subset says nothing about the full row (the caller's dense tasks do)
+  const Acc none;  // a gathered subset says nothing of the whole row (dense tasks sum that)
   finish(P, acc, &none);
 }
 

@@ -192,8 +192,9 @@ def _topk_logprobs_torch(logits, k, allowed, logit_bias, full_lse=False):
     dev = logits.device
     xm, member, x = _masked_biased("topk_logprobs", logits, allowed, logit_bias, unmasked=True)
     lse = torch.logsumexp(xm, dim=-1)
-    # NaN / +inf outside the set are no error here: logsumexp carries them into `full`
-    tail = (torch.logsumexp(x, dim=-1) if member is not None else lse.clone(),) if full_lse else ()
+    tail = ()
+    if full_lse:  # NaN / +inf outside the set are no error here: logsumexp carries them on
+        tail = (torch.logsumexp(x, dim=-1) if member is not None else lse.clone(),)
     ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
     lps = torch.full((B, k), _NEG_INF, dtype=torch.float32, device=dev)
     if k == 0 or B == 0:

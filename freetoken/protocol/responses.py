@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from freetoken.protocol.prompts import Prompt
 
 
+# JSON has no infinities: a -inf logprob (an id outside allowed_token_ids asked for through
+# logprob_token_ids, or a -inf logit) is rendered as OpenAI's and vLLM's stand-in
+MIN_LOGPROB = -9999.0
+
+
+def logprob_value(lp: float) -> float:
+    return max(float(lp), MIN_LOGPROB)
+
+
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -37,7 +46,7 @@ def _top_dict(tokenizer, tl, k: int, as_ids: bool) -> dict[str, float]:
     entries.sort(key=lambda e: -float(e[1]))  # stable: ties keep the engine's order
     out: dict[str, float] = {}
     for tid, lp in entries:
-        out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
+        out.setdefault(token_key(tokenizer, tid, as_ids), logprob_value(lp))
     return out
 
 
@@ -97,14 +106,14 @@ def prompt_logprobs_entries(tokenizer, prompt_ids: list[int], plps: list, k: int
         entry = {}
         for rank, (tid, lp) in enumerate(list(tl.top)[:k], start=1):
             entry[str(tid)] = {
-                "logprob": float(lp),
+                "logprob": logprob_value(lp),
                 "rank": rank,
                 "decoded_token": token_text(tokenizer, tid),
             }
         entry.setdefault(
             str(tl.token_id),
             {
-                "logprob": float(tl.logprob),
+                "logprob": logprob_value(tl.logprob),
                 "rank": int(tl.rank),
                 "decoded_token": token_text(tokenizer, tl.token_id),
             },
@@ -135,7 +144,7 @@ class ChoiceState:
         ids = [tl.token_id for tl in lps]
         res = LegacyLogprobs(
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
-            token_logprobs=[float(tl.logprob) for tl in lps],
+            token_logprobs=[logprob_value(tl.logprob) for tl in lps],
             top_logprobs=[_top_dict(self.tok, tl, k, self.as_ids) for tl in lps],
             text_offset=_char_offsets(self.tok, ids, start, self.text_len),
         )
@@ -187,7 +196,7 @@ class ChoiceState:
         plps = list(plps or [None] * len(ids))
         res = LegacyLogprobs(
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
-            token_logprobs=[None if tl is None else float(tl.logprob) for tl in plps],
+            token_logprobs=[None if tl is None else logprob_value(tl.logprob) for tl in plps],
             top_logprobs=[
                 None if tl is None else _top_dict(self.tok, tl, k, self.as_ids) for tl in plps
             ],
@@ -225,7 +234,7 @@ class ChatChoiceState(ChoiceState):
     def _entry(self, tid: int, lp: float) -> dict:
         return {
             "token": token_key(self.tok, tid, self.as_ids),
-            "logprob": float(lp),
+            "logprob": logprob_value(lp),
             "bytes": list(self.tok.token_bytes(tid)),
         }
 

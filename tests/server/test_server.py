@@ -456,8 +456,9 @@ def test_allowed_logprobs(srv):
     body = {"prompt": QUESTION, "max_tokens": 3, "temperature": 0, "logprobs": 2,
             "allowed_token_ids": allowed, "logit_bias": {str(NO): 1.5},
             "return_tokens_as_token_ids": True}
-    out = srv.complete({**body, "echo": True})
+    out = srv.complete({**body, "echo": True, "logprob_token_ids": [7]})
     lp = out["choices"][0]["logprobs"]
+    assert all(top["token_id:7"] == -9999.0 for top in lp["top_logprobs"][-3:])  # outside
     n_prompt = out["usage"]["prompt_tokens"]
     masses = lp["allowed_logprobs"]
     assert len(masses) == len(lp["tokens"]) == n_prompt + 3
@@ -487,11 +488,15 @@ def test_allowed_logprobs(srv):
     assert same_logprobs(streamed, gen)
     # chat: one allowed_logprob per content entry, streamed the same
     chat = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 2,
-            "temperature": 0, "logprobs": True, "allowed_token_ids": allowed}
+            "temperature": 0, "logprobs": True, "allowed_token_ids": allowed,
+            "logprob_token_ids": [7], "return_tokens_as_token_ids": True}
     r = srv.post("/v1/chat/completions", {"model": MODEL, **chat})
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert all(e["allowed_logprob"] <= 0 for e in content) and len(content) == 2
+    # 7 is outside the set: logprob -inf, rendered -9999.0 as OpenAI and vLLM do (not a 500)
+    for e in content:
+        assert ("token_id:7", -9999.0) in [(t["token"], t["logprob"]) for t in e["top_logprobs"]]
     chunks = sse(srv, "/v1/chat/completions", chat)
     streamed = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
     assert same_logprobs(streamed, content)

@@ -764,6 +764,42 @@ def test_allowed_logprobs_rendered_with_allowed_token_ids_only():
     ]
 
 
+def test_minus_inf_logprobs_render_as_openais_stand_in():
+    # an id outside allowed_token_ids asked for through logprob_token_ids has logprob -inf;
+    # JSON has no -inf, so it renders as -9999.0 (OpenAI's and vLLM's value), never a 500
+    import json
+
+    inf = float("-inf")
+    p = parse(
+        {
+            "prompt": [104],
+            "logprobs": 1,
+            "logprob_token_ids": [5],
+            "allowed_token_ids": [33],
+            "return_tokens_as_token_ids": True,
+        }
+    )
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
+    f = st.feed(Out([33], "!", [TL(33, 0.0, 1, [(33, 0.0)], [(5, inf)], -1.5)]))
+    lp = f.logprobs.to_dict()
+    assert lp["top_logprobs"] == [{"token_id:33": 0.0, "token_id:5": -9999.0}]
+    json.dumps(lp, allow_nan=False)
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "logprob_token_ids": [5],
+            "allowed_token_ids": [33],
+        }
+    )
+    f = responses.ChatChoiceState(TOK, p, p.prompts[0]).feed(
+        Out([33], "!", [TL(33, inf, 1, [], [(5, inf)], -1.5)])
+    )
+    (entry,) = f.logprobs
+    assert entry["logprob"] == -9999.0 and entry["top_logprobs"][0]["logprob"] == -9999.0
+    json.dumps(entry, allow_nan=False)
+
+
 def test_usage_dict():
     u = responses.usage_dict(5, 2, 3)
     assert u == {
