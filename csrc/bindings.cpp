@@ -19,17 +19,18 @@ std::vector<at::Tensor> topk_logprobs(const at::Tensor& logits, int64_t k,
                                       const c10::optional<at::Tensor>& allowed_ids,
                                       const c10::optional<at::Tensor>& bias_offsets,
                                       const c10::optional<at::Tensor>& bias_ids,
-                                      const c10::optional<at::Tensor>& bias_values) {
+                                      const c10::optional<at::Tensor>& bias_values,
+                                      bool full_lse) {
   if (logits.is_cuda()) {
 #ifdef WITH_CUDA
     return freetoken::topk_logprobs_cuda(logits, k, allowed_offsets, allowed_ids, bias_offsets,
-                                         bias_ids, bias_values);
+                                         bias_ids, bias_values, full_lse);
 #else
     TORCH_CHECK(false, "freetoken._C was built without CUDA; use the torch twin on GPU tensors");
 #endif
   }
   return freetoken::topk_logprobs_cpu(logits, k, allowed_offsets, allowed_ids, bias_offsets,
-                                      bias_ids, bias_values);
+                                      bias_ids, bias_values, full_lse);
 }
 
 bool cuda_compiled() {
@@ -50,11 +51,13 @@ const auto kNoGil = py::call_guard<py::gil_scoped_release>();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FreeToken's fused mask / logit-bias / log-softmax / top-k kernel, CPU paged "
             "attention and fused elementwise ops";
-  m.def("topk_logprobs", &topk_logprobs, "CPU: -> [ids, logprobs, lse]; CUDA: + status",
+  m.def("topk_logprobs", &topk_logprobs,
+        "CPU: -> [ids, logprobs, lse] (+ full with full_lse); CUDA: + status",
         kNoGil,
         py::arg("logits"), py::arg("k"), py::arg("allowed_offsets") = py::none(),
         py::arg("allowed_ids") = py::none(), py::arg("bias_offsets") = py::none(),
-        py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none());
+        py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none(),
+        py::arg("full_lse") = false);
   m.def("check_compact", &freetoken::check_compact_cpu,
         "validate (offsets, ids[, values]) for B rows and V ids: '' or the error message",
         py::arg("offsets"), py::arg("ids"), py::arg("values"), py::arg("B"), py::arg("V"));

@@ -16,7 +16,8 @@ std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
                                            const c10::optional<at::Tensor>& allowed_ids,
                                            const c10::optional<at::Tensor>& bias_offsets,
                                            const c10::optional<at::Tensor>& bias_ids,
-                                           const c10::optional<at::Tensor>& bias_values) {
+                                           const c10::optional<at::Tensor>& bias_values,
+                                           bool full_lse) {
   check_topk_args(logits, k, allowed_offsets, allowed_ids, bias_offsets, bias_ids, bias_values);
   TORCH_CHECK(logits.is_cuda(), "topk_logprobs_cuda: logits must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -29,6 +30,7 @@ std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
   auto ids = at::empty({B, k}, logits.options().dtype(at::kLong));
   auto lps = at::empty({B, k}, logits.options().dtype(at::kFloat));
   auto lse = at::empty({B}, logits.options().dtype(at::kFloat));
+  auto full = full_lse ? at::empty({B}, logits.options().dtype(at::kFloat)) : at::Tensor();
   auto status = at::empty({B}, logits.options().dtype(at::kInt));
   auto ws = at::empty({(int64_t)cuda::topk_workspace_bytes(B, V, n_allowed)},
                       logits.options().dtype(at::kByte));
@@ -51,10 +53,12 @@ std::vector<at::Tensor> topk_logprobs_cuda(const at::Tensor& logits, int64_t k,
   a.out_ids = ids.data_ptr<int64_t>();
   a.out_logprobs = lps.data_ptr<float>();
   a.out_lse = lse.data_ptr<float>();
+  a.out_full = full_lse ? full.data_ptr<float>() : nullptr;
   a.out_status = status.data_ptr<int32_t>();
   a.workspace = ws.data_ptr();
   const cudaError_t err = cuda::topk_launch(a, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "topk_logprobs (CUDA): launch failed: ", cudaGetErrorString(err));
+  if (full_lse) return {ids, lps, lse, full, status};
   return {ids, lps, lse, status};
 }
 

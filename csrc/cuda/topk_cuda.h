@@ -25,6 +25,7 @@ struct TopkArgs {
   int64_t* out_ids;     // [B, k]
   float* out_logprobs;  // [B, k]
   float* out_lse;       // [B]
+  float* out_full;      // [B] or nullptr: the unmasked lse (topk/topk.h), NaN / +inf not errors
   int32_t* out_status;  // [B]: 0, or kFlagNaN | kFlagPosInf | 4 (every member -inf)
   void* workspace;      // topk_workspace_bytes(B, V, n_allowed) bytes, any contents
 };

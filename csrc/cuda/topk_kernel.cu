@@ -9,6 +9,9 @@
 //          its top-k (radix select on order-preserving 32-bit keys, ties by id).
 //   merge  one block per row: combines the slices' (max, sum) in fp64 and ranks every slice
 //          candidate by binary search in the other slices' sorted lists; rank < k is written.
+// With out_full, a row with a set also gets its unmasked lse: a dense slice sums its elements
+// before the mask (same shared-memory values), and the block of a gathered row's chunk c sums
+// dense slice c of the row; the merge combines those (max, sum) pairs like the masked ones.
 // Errors (NaN / +inf in the set, an all -inf set) are reported per row in out_status.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +40,9 @@ struct ChunkOut {
   float s;
   int32_t cnt;
   int32_t flags;
+  float fm;        // the unmasked (max, sum exp(x - max), flags) of the slice (out_full only)
+  float fs;
+  int32_t fflags;
   float vals[kMaxK];  // sorted by (value desc, id asc)
   int32_t ids[kMaxK];
 };
@@ -101,6 +107,59 @@ __device__ __forceinline__ float block_reduce(float v, float* sh, Op op) {
 }
 struct MaxOp { __device__ float operator()(float a, float b) const { return a > b ? a : b; } };
 struct SumOp { __device__ float operator()(float a, float b) const { return a + b; } };
+
+// sval[i] = x(lo + i) (logit + summed bias) for i < n, a dense slice of a row; bsum: kChunk
+// floats of scratch. Every thread of the block must call it.
+template <typename T>
+__device__ void load_dense(const TopkArgs& a, const T* row, int64_t lo, int n, int32_t bb,
+                           int nb, float* sval, float* bsum) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < n; i += kThreads) sval[i] = load_as_float(row, lo + i);
+  if (nb > 0) {
+    // biases are summed first and added once, x + (b1 + b2), exactly as on the CPU
+    for (int i = tid; i < kChunk; i += kThreads) bsum[i] = 0.f;
+    __syncthreads();
+    for (int j = tid; j < nb; j += kThreads) {
+      const int64_t id = a.bias_ids[bb + j];
+      if (id >= lo && id < lo + n) atomicAdd(bsum + (id - lo), a.bias_values[bb + j]);
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += kThreads) sval[i] = sval[i] + bsum[i];
+  }
+}
+
+// The unmasked (max, sum exp(x - max), flags) of sval[0, n) into out->fm / fs / fflags: NaN and
+// +inf are flagged, not errors (they make the full lse NaN / +inf). Every thread must call it.
+__device__ void full_stats(const float* sval, int n, float* red, int* fflags_sh, ChunkOut* out) {
+  const int tid = threadIdx.x;
+  const float inf = __int_as_float(0x7f800000);
+  if (tid == 0) *fflags_sh = 0;
+  __syncthreads();
+  float m = -inf;
+  int flags = 0;
+  for (int i = tid; i < n; i += kThreads) {
+    const float v = sval[i];
+    if (v != v) {
+      flags |= kFlagNaN;
+    } else {
+      if (v == inf) flags |= kFlagPosInf;
+      m = v > m ? v : m;
+    }
+  }
+  if (flags) atomicOr(fflags_sh, flags);
+  m = block_reduce(m, red, MaxOp());
+  float s = 0.f;
+  if (m > -inf && m < inf)
+    for (int i = tid; i < n; i += kThreads)
+      if (sval[i] == sval[i]) s += expf(sval[i] - m);
+  s = block_reduce(s, red, SumOp());
+  if (tid == 0) {
+    out->fm = m;
+    out->fs = s;
+    out->fflags = *fflags_sh;
+  }
+  __syncthreads();
+}
 
 struct SelectShared {
   int hist[256];
@@ -225,7 +284,7 @@ chunk_kernel(TopkArgs a, const uint32_t* __restrict__ bits, const uint8_t* __res
   float* btab_val = reinterpret_cast<float*>(btab_id + kBiasTab);
   __shared__ float red[kWarps];
   __shared__ SelectShared sel;
-  __shared__ int flags_sh;
+  __shared__ int flags_sh, fflags_sh;
 
   const int tid = threadIdx.x;
   const int64_t r = blockIdx.x;  // rows in x (up to 2^31 - 1), slices in y
@@ -236,17 +295,23 @@ chunk_kernel(TopkArgs a, const uint32_t* __restrict__ bits, const uint8_t* __res
   const int32_t ae = a.allowed_offsets ? a.allowed_offsets[r + 1] : 0;
   const bool gather = gathered(ae - ab, V);
   const bool masked = ae > ab && !gather;
+  const bool want_full = a.out_full != nullptr && ae > ab;
   const int64_t lo = (int64_t)c * kChunk;
   const int64_t len = gather ? (int64_t)(ae - ab) : V;
+  const T* row = reinterpret_cast<const T*>(a.logits) + r * V;
+  const int32_t bb = a.bias_offsets ? a.bias_offsets[r] : 0;
+  const int32_t be = a.bias_offsets ? a.bias_offsets[r + 1] : 0;
+  const int nb = be - bb;
+  if (gather && want_full) {  // dense slice c of the row (lo < V: nchunks covers V), unmasked
+    const int dn = V - lo < kChunk ? (int)(V - lo) : kChunk;
+    load_dense(a, row, lo, dn, bb, nb, sval, reinterpret_cast<float*>(sid));
+    full_stats(sval, dn, red, &fflags_sh, out);
+  }
   if (lo >= len) {  // a gathered row needs fewer blocks than a dense one
     if (tid == 0) { out->m = -__int_as_float(0x7f800000); out->s = 0.f; out->cnt = 0; out->flags = 0; }
     return;
   }
   const int n = len - lo < kChunk ? (int)(len - lo) : kChunk;
-  const T* row = reinterpret_cast<const T*>(a.logits) + r * V;
-  const int32_t bb = a.bias_offsets ? a.bias_offsets[r] : 0;
-  const int32_t be = a.bias_offsets ? a.bias_offsets[r + 1] : 0;
-  const int nb = be - bb;
   const uint32_t* rbits = bits ? bits + r * words : nullptr;
   if (tid == 0) flags_sh = 0;
 
@@ -292,21 +357,10 @@ chunk_kernel(TopkArgs a, const uint32_t* __restrict__ bits, const uint8_t* __res
       }
     }
   } else {
-    for (int i = tid; i < n; i += kThreads) sval[i] = load_as_float(row, lo + i);
-    if (nb > 0) {
-      // biases are summed first and added once, x + (b1 + b2), exactly as on the CPU
-      float* bsum = reinterpret_cast<float*>(sid);
-      for (int i = tid; i < kChunk; i += kThreads) bsum[i] = 0.f;
-      __syncthreads();
-      for (int j = tid; j < nb; j += kThreads) {
-        const int64_t id = a.bias_ids[bb + j];
-        if (id >= lo && id < lo + n) atomicAdd(bsum + (id - lo), a.bias_values[bb + j]);
-      }
-      __syncthreads();
-      for (int i = tid; i < n; i += kThreads) sval[i] = sval[i] + bsum[i];
-    }
+    load_dense(a, row, lo, n, bb, nb, sval, reinterpret_cast<float*>(sid));
   }
   __syncthreads();
+  if (want_full && !gather) full_stats(sval, n, red, &fflags_sh, out);  // before the mask
 
   // 2. keys in place, the slice's max and member count, NaN / +inf flags
   float m = -__int_as_float(0x7f800000);
@@ -371,13 +425,13 @@ merge_kernel(TopkArgs a, int nchunks, const ChunkOut* __restrict__ outs) {
   __shared__ SelectShared sel;
   __shared__ double dred[kWarps];
   __shared__ float fred[kWarps];
-  __shared__ int flags_sh, total_sh;
+  __shared__ int flags_sh, total_sh, fflags_sh;
   const int tid = threadIdx.x;
   const int64_t r = blockIdx.x;
   const ChunkOut* parts = outs + r * nchunks;
   const float ninf = -__int_as_float(0x7f800000);
   const int k = a.k;
-  if (tid == 0) { flags_sh = 0; total_sh = 0; }
+  if (tid == 0) { flags_sh = 0; total_sh = 0; fflags_sh = 0; }
   for (int i = tid; i < kChunk; i += kThreads) {
     uint32_t key = 0;
     int32_t id = 0;
@@ -416,6 +470,36 @@ merge_kernel(TopkArgs a, int nchunks, const ChunkOut* __restrict__ outs) {
   if (tid == 0) {
     a.out_status[r] = flags;
     a.out_lse[r] = flags ? __int_as_float(0x7fc00000) : (float)lse;
+  }
+  if (a.out_full) {
+    // a row without a set: full = lse; else the slices' unmasked pairs, combined as above
+    const bool has_set = a.allowed_offsets && a.allowed_offsets[r + 1] > a.allowed_offsets[r];
+    float full = flags ? __int_as_float(0x7fc00000) : (float)lse;
+    if (has_set) {  // uniform over the block: the reductions' barriers are safe
+      float fm = ninf;
+      int ff = 0;
+      for (int c = tid; c < nchunks; c += kThreads) {
+        fm = fmaxf(fm, parts[c].fm);
+        ff |= parts[c].fflags;
+      }
+      if (ff) atomicOr(&fflags_sh, ff);
+      fm = block_reduce(fm, fred, MaxOp());
+      double fs = 0.0;
+      if (fm > ninf && fm < -ninf)
+        for (int c = tid; c < nchunks; c += kThreads)
+          if (parts[c].fm > ninf)
+            fs += (double)parts[c].fs * exp((double)parts[c].fm - (double)fm);
+      for (int o = 16; o > 0; o >>= 1) fs += __shfl_xor_sync(0xffffffffu, fs, o);
+      if ((tid & 31) == 0) dred[tid >> 5] = fs;
+      __syncthreads();
+      fs = 0.0;
+      for (int i = 0; i < kWarps; ++i) fs += dred[i];
+      ff = fflags_sh;
+      full = (ff & kFlagNaN)                       ? __int_as_float(0x7fc00000)
+             : (ff & kFlagPosInf) || fm == -ninf ? -ninf
+                                                 : (float)((double)fm + log(fs));
+    }
+    if (tid == 0) a.out_full[r] = full;
   }
   const int kk = min(k, total_sh);
   select_topk(mkey, mid, 0, kk, sel, [&](int rank, float v, int32_t id) {

@@ -8,6 +8,9 @@
 //   set  = allowed ids of r (duplicates once), or all of [0, V) when r's range is empty
 //   lse  = log sum_{t in set} exp x(t)
 //   top-k of set by (x desc, id asc), logprob = x - lse, padded with id -1 / -inf.
+//   full = log sum_{t in [0, V)} exp x(t), on request: the unmasked lse, so that lse - full is
+//          the log of the mass the whole distribution puts on the set (NaN when a logit
+//          outside the set is NaN, +inf when one is +inf: those are no error there).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +30,9 @@ struct Partial {
   int32_t cnt;      // number of valid entries in vals/ids (<= k)
   double s;         // sum exp(x - m)
   int32_t flags;    // kFlag*
+  float fm;         // the same three over every element of the slice, unmasked (the full
+  double fs;        // lse's part); valid when the slice had no mask or DenseArgs::full was set
+  int32_t fflags;
   float vals[kMaxK];  // sorted by (value desc, id asc)
   int32_t ids[kMaxK];
 };
@@ -39,6 +45,7 @@ struct DenseArgs {
   const float* bias;         // nullable; absolute-id dense bias, read only in flagged blocks
   const uint8_t* bias_blk;   // nullable; bias_blk[id / kBlock] != 0 when that block has bias
   const uint64_t* bits;      // nullable; absolute-id allowed bitmask
+  bool full;                 // with bits: also sum the unmasked elements (Partial::fm/fs)
 };
 
 using DenseFn = void (*)(const DenseArgs&, Partial*);

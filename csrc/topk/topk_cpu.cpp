@@ -1,6 +1,6 @@
-// CPU topk_logprobs: argument checks, per-row planning (gather / dense bitmask / dense), the
-// parallel loop over (row, chunk) tasks, the merge; the dense kernel's ISA variant follows
-// current_isa() (common/isa.h).
+// CPU topk_logprobs: argument checks, per-row planning (gather / dense bitmask / dense, plus the
+// unmasked sum when asked for), the parallel loop over (row, chunk) tasks, the merge; the dense
+// kernel's ISA variant follows current_isa() (common/isa.h).
 #include <ATen/Parallel.h>  // at::get_num_threads: the pool follows torch.set_num_threads
 #include <torch/extension.h>
 
@@ -60,6 +60,8 @@ enum class Mode { kDense, kMasked, kGather };
 struct Task {
   int64_t row, lo, hi;
   Mode mode;
+  bool full;  // kDense: only the unmasked sum of a gathered row (k = 0, no top-k);
+              // kMasked: the unmasked sum as well, in the same pass
 };
 
 struct Compact {
@@ -141,6 +143,8 @@ void run_task(const IsaKernels& isa, const Task& t, const char* base, int64_t ro
   a.bias = any_bias ? s.bias.data() : nullptr;
   a.bias_blk = any_bias ? s.bias_blk.data() : nullptr;
   a.bits = t.mode == Mode::kMasked ? s.bits.data() : nullptr;
+  a.full = t.full;
+  if (t.mode == Mode::kDense && t.full) a.k = 0;
   isa.dense(a, P);
   if (t.mode == Mode::kMasked)
     for (int32_t j = ab; j < ae; ++j) s.bits[allowed.ids[j] >> 6] = 0;
@@ -152,6 +156,23 @@ void run_task(const IsaKernels& isa, const Task& t, const char* base, int64_t ro
       s.bias_blk[id / kBlock] = 0;
     }
   }
+}
+
+// The unmasked lse of a row with a set, from its tasks' fm/fs: NaN when an element is NaN,
+// +inf when one is +inf (the set's own errors were raised before).
+float full_lse_of(const std::vector<Partial>& parts, int64_t t0, int64_t t1) {
+  float m = -std::numeric_limits<float>::infinity();
+  int32_t flags = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    m = std::max(m, parts[t].fm);
+    flags |= parts[t].fflags;
+  }
+  if (flags & kFlagNaN) return std::numeric_limits<float>::quiet_NaN();
+  if ((flags & kFlagPosInf) || std::isinf(m)) return m;
+  double s = 0.0;
+  for (int64_t t = t0; t < t1; ++t)
+    if (!std::isinf(parts[t].fm)) s += parts[t].fs * std::exp((double)parts[t].fm - (double)m);
+  return (float)((double)m + std::log(s));
 }
 
 void check_compact(const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& ids,
@@ -259,7 +280,8 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
                                           const c10::optional<at::Tensor>& allowed_ids,
                                           const c10::optional<at::Tensor>& bias_offsets,
                                           const c10::optional<at::Tensor>& bias_ids,
-                                          const c10::optional<at::Tensor>& bias_values) {
+                                          const c10::optional<at::Tensor>& bias_values,
+                                          bool full_lse) {
   check_topk_args(logits, k, allowed_offsets, allowed_ids, bias_offsets, bias_ids, bias_values);
   TORCH_CHECK(logits.device().is_cpu(), "topk_logprobs_cpu: logits must be on the CPU");
   const int64_t B = logits.size(0), V = logits.size(1);
@@ -281,12 +303,15 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   // >= V/16 ids, kept as a bitmask) is cut into chunks of kChunkBlocks blocks, which the
   // threads share. NOTE: the chunks depend on V alone, never on the row count or the threads:
   // a row's lse (its chunks' sums merged in chunk order) then has the same bits whatever runs
-  // beside it (batch invariance, issue 23). Serial, the extra chunk merges cost little.
+  // beside it (batch invariance, issue 23). Serial, the extra chunk merges cost little. With
+  // full_lse, a masked row's chunks also sum the unmasked elements, and a gathered row gets
+  // dense chunks of its own (k = 0) for that sum: it never reads the whole row otherwise.
   const int nthreads = at::get_num_threads();
   int64_t work = 0;  // in streamed-element units; a gathered element costs several
   for (int64_t r = 0; r < B; ++r) {
     const int64_t n = allowed.end(r) - allowed.begin(r);
-    work += (n > 0 && n * 16 < V) ? 8 * n : V;
+    const bool gather = n > 0 && n * 16 < V;
+    work += gather ? 8 * n + (full_lse ? V : 0) : V;
   }
   // Below ~200k elements (~50 us on one core) a helper's wake-up (tens of us under the PASSIVE
   // wait policy on a busy machine) eats the gain, so small steps stay on the caller's thread.
@@ -300,12 +325,15 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
     row_task[r] = (int64_t)tasks.size();
     const int64_t n = allowed.end(r) - allowed.begin(r);
     if (n > 0 && n * 16 < V) {
-      tasks.push_back(Task{r, 0, V, Mode::kGather});
+      tasks.push_back(Task{r, 0, V, Mode::kGather, false});
+      if (full_lse)  // after the gather task: the row's first task holds its top-k
+        for (int64_t lo = 0; lo < V; lo += per_chunk)
+          tasks.push_back(Task{r, lo, std::min(V, lo + per_chunk), Mode::kDense, true});
       continue;
     }
     const Mode mode = n > 0 ? Mode::kMasked : Mode::kDense;
     for (int64_t lo = 0; lo < V; lo += per_chunk)
-      tasks.push_back(Task{r, lo, std::min(V, lo + per_chunk), mode});
+      tasks.push_back(Task{r, lo, std::min(V, lo + per_chunk), mode, full_lse && n > 0});
   }
   row_task[B] = (int64_t)tasks.size();
 
@@ -326,16 +354,21 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
   auto ids = at::empty({B, k}, logits.options().dtype(at::kLong));
   auto lps = at::empty({B, k}, logits.options().dtype(at::kFloat));
   auto lse = at::empty({B}, logits.options().dtype(at::kFloat));
+  auto full = full_lse ? at::empty({B}, logits.options().dtype(at::kFloat)) : at::Tensor();
   int64_t* ids_p = ids.data_ptr<int64_t>();
   float* lps_p = lps.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
+  float* full_p = full_lse ? full.data_ptr<float>() : nullptr;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // a gathered row's unmasked-sum chunks hold no part of its set
+  auto sum_only = [&](int64_t t) { return tasks[t].mode == Mode::kDense && tasks[t].full; };
   for (int64_t r = 0; r < B; ++r) {
     const int64_t t0 = row_task[r], t1 = row_task[r + 1];
     Partial* P = &parts[t0];
     float m = kNegInf;
     int32_t flags = 0;
     for (int64_t t = t0; t < t1; ++t) {
+      if (sum_only(t)) continue;
       m = std::max(m, parts[t].m);
       flags |= parts[t].flags;
     }
@@ -345,12 +378,14 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
                 " has logit -inf for every token of its set");
     double s = 0.0;
     for (int64_t t = t0; t < t1; ++t)
-      if (parts[t].m != kNegInf) s += parts[t].s * std::exp((double)parts[t].m - (double)m);
+      if (!sum_only(t) && parts[t].m != kNegInf)
+        s += parts[t].s * std::exp((double)parts[t].m - (double)m);
     for (int64_t t = t0 + 1; t < t1; ++t)
       for (int32_t j = 0; j < parts[t].cnt; ++j)
         topk_insert(P, (int32_t)k, parts[t].vals[j], parts[t].ids[j]);
     const double l = (double)m + std::log(s);
     lse_p[r] = (float)l;
+    if (full_p) full_p[r] = tasks[t0].mode == Mode::kDense ? (float)l : full_lse_of(parts, t0, t1);
     for (int64_t j = 0; j < k; ++j) {
       if (j < P->cnt) {
         ids_p[r * k + j] = P->ids[j];
@@ -361,6 +396,7 @@ std::vector<at::Tensor> topk_logprobs_cpu(const at::Tensor& logits, int64_t k,
       }
     }
   }
+  if (full_lse) return {ids, lps, lse, full};
   return {ids, lps, lse};
 }
 

@@ -323,10 +323,15 @@ FT_KFN void block(const Load& load, const float* src, float* buf, int64_t n, int
   acc.m = M;
 }
 
-FT_KFN void finish(Partial* P, const Acc& acc) {
+// full: the slice's unmasked state when it differs from acc (a mask and DenseArgs::full).
+FT_KFN void finish(Partial* P, const Acc& acc, const Acc* full) {
   P->m = acc.m;
   P->s = acc.s;
   P->flags = acc.flags | (acc.s != acc.s ? kFlagNaN : 0);
+  const Acc& f = full ? *full : acc;
+  P->fm = f.m;
+  P->fs = f.s;
+  P->fflags = f.flags | (f.s != f.s ? kFlagNaN : 0);
 }
 
 // load(i) for values read straight from memory (a row, buf).
@@ -338,7 +343,8 @@ struct LoadFrom {
 FT_ISA_FN void dense_impl(const DenseArgs& a, Partial* P) {
   alignas(64) float buf[kBlock];
   P->cnt = 0;
-  Acc acc;
+  Acc acc, full;  // full: every element, before the mask (only with a.full and a.bits)
+  const bool with_full = a.full && a.bits;
   const LoadFrom from_buf{buf};
   for (int64_t b0 = a.lo; b0 < a.hi; b0 += kBlock) {
     const int64_t n = a.hi - b0 < kBlock ? a.hi - b0 : kBlock;
@@ -358,6 +364,8 @@ FT_ISA_FN void dense_impl(const DenseArgs& a, Partial* P) {
       const float* bp = a.bias + b0;
       for (int64_t j = 0; j < n; ++j) buf[j] = buf[j] + bp[j];
     }
+    // the unmasked sum reads the same L1-resident block, before the mask overwrites it
+    if (with_full) block(from_buf, buf, buf, n, nv, b0, nullptr, nullptr, 0, P, full);
     if (a.bits) {
       vi lane;
       for (int j = 0; j < L; ++j) lane[j] = 1 << j;
@@ -371,7 +379,7 @@ FT_ISA_FN void dense_impl(const DenseArgs& a, Partial* P) {
     }
     block(from_buf, buf, buf, n, nv, b0, nullptr, a.bits, a.k, P, acc);
   }
-  finish(P, acc);
+  finish(P, acc, with_full ? &full : nullptr);
 }
 
 FT_ISA_FN void values_impl(const float* vals, const int32_t* ids, int64_t n, int32_t k,
@@ -385,7 +393,8 @@ FT_ISA_FN void values_impl(const float* vals, const int32_t* ids, int64_t n, int
     const float* src = vals + b0;
     block(LoadFrom{src}, src, buf, nb, nv, 0, ids + b0, nullptr, k, P, acc);
   }
-  finish(P, acc);
+  const Acc none;  // a gathered subset says nothing of the whole row (dense tasks sum that)
+  finish(P, acc, &none);
 }
 
 }  // namespace

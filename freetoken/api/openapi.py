@@ -1,5 +1,6 @@
 """The OpenAPI 3.1 document served at /openapi.json: the request schemas from protocol.py's
-pydantic models, one error shape, and every route.
+pydantic models, one error shape, every route, and the generation responses' logprobs objects
+(the shapes protocol/responses.py builds, written here by hand).
 
 What it is not: a source of truth for validation (protocol.py is; the schemas are derived from it)
 or for the route table (app.py is; a route added there is added here by hand).
@@ -82,7 +83,7 @@ def openapi_document() -> dict:
     def get(summary):
         return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
 
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {"title": "FreeToken", "version": __version__},
         "paths": {
@@ -105,3 +106,124 @@ def openapi_document() -> dict:
         },
         "components": {"schemas": components},
     }
+    _add_generation_responses(doc)
+    return doc
+
+
+_NUM_OR_NULL = {"type": ["number", "null"]}
+_ALLOWED_MASS = (
+    "FreeToken's extension, present only with allowed_token_ids: the log of the probability mass "
+    "the full distribution (after logit_bias, before sampling transforms) puts on the allowed "
+    "set at that position, <= 0; logprob + this = the unrenormalized logprob"
+)
+
+
+def _add_generation_responses(doc: dict) -> None:
+    """The 200 bodies of /v1/completions and /v1/chat/completions (streamed chunks carry the same
+    logprobs objects per choice)."""
+    ref = "#/components/schemas/{}".format
+    top_entry = {
+        "type": "object",
+        "properties": {
+            "token": {"type": "string"},
+            "logprob": {"type": "number"},
+            "bytes": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["token", "logprob", "bytes"],
+    }
+    usage = {"type": "object", "additionalProperties": True}
+    schemas = {
+        "CompletionLogprobs": {
+            "type": "object",
+            "properties": {
+                "tokens": {"type": "array", "items": {"type": "string"}},
+                "token_logprobs": {"type": "array", "items": _NUM_OR_NULL},
+                "top_logprobs": {
+                    "type": "array",
+                    "items": {
+                        "type": ["object", "null"],
+                        "additionalProperties": {"type": "number"},
+                    },
+                },
+                "text_offset": {"type": "array", "items": {"type": "integer"}},
+                "allowed_logprobs": {
+                    "type": "array",
+                    "items": _NUM_OR_NULL,
+                    "description": _ALLOWED_MASS + "; one per position, null at prompt positions",
+                },
+            },
+            "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        },
+        "ChatCompletionTokenLogprob": {
+            "type": "object",
+            "properties": {
+                **top_entry["properties"],
+                "top_logprobs": {"type": "array", "items": top_entry},
+                "allowed_logprob": {**_NUM_OR_NULL, "description": _ALLOWED_MASS},
+            },
+            "required": ["token", "logprob", "bytes", "top_logprobs"],
+        },
+        "CompletionResponse": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": "text_completion"},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "text": {"type": "string"},
+                            "logprobs": {
+                                "anyOf": [{"$ref": ref("CompletionLogprobs")}, {"type": "null"}]
+                            },
+                            "finish_reason": {"type": ["string", "null"]},
+                            "stop_reason": {"type": ["string", "integer", "null"]},
+                        },
+                    },
+                },
+                "usage": usage,
+            },
+        },
+        "ChatCompletionResponse": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": "chat.completion"},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "message": {"type": "object"},
+                            "logprobs": {
+                                "type": ["object", "null"],
+                                "properties": {
+                                    "content": {
+                                        "type": "array",
+                                        "items": {"$ref": ref("ChatCompletionTokenLogprob")},
+                                    }
+                                },
+                            },
+                            "finish_reason": {"type": ["string", "null"]},
+                            "stop_reason": {"type": ["string", "integer", "null"]},
+                        },
+                    },
+                },
+                "usage": usage,
+            },
+        },
+    }
+    doc["components"]["schemas"].update(schemas)
+    for path, name in (
+        ("/v1/completions", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionResponse"),
+    ):
+        ok = doc["paths"][path]["post"]["responses"]["200"]
+        ok["content"] = {"application/json": {"schema": {"$ref": ref(name)}}}

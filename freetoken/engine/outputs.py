@@ -20,6 +20,9 @@ class TokenLogprob:
     rank: int                                                      # 1 = the most likely
     top: list[tuple[int, float]] = field(default_factory=list)     # top-K, best first
     extra: list[tuple[int, float]] = field(default_factory=list)   # logprob_token_ids entries
+    # with allowed_token_ids: log of the mass the full distribution (after logit_bias) puts on
+    # the allowed set, <= 0; None without a set, at prompt positions, or when not finite
+    allowed_mass: float | None = None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,9 @@ Semantics (SPEC.md):
     allowed_token_ids is given, before temperature / top-k / top-p / min-p and before penalties;
     the sampled token's logprob = logit + bias - lse, and the same for logprob_token_ids;
     rank = 1 + the number of (masked, biased) logits strictly greater.
+  * with allowed_token_ids, a row asking for logprobs also gets allowed_mass = lse - full_lse:
+    the log of the mass the full (biased) distribution puts on the set, both log-sum-exps from
+    the kernel's one pass (ops.topk_logprobs(full_lse=True)).
   * every row goes through ops.topk_logprobs (top-K ids, their logprobs, lse) in one call;
     a greedy row takes its first id. Rows that are not greedy, or whose sampling logits differ
     from the model's (penalties, min_tokens), go through ops.sample_tokens in one call.
@@ -20,6 +23,7 @@ Semantics (SPEC.md):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -116,8 +120,18 @@ class Sampler:
         allowed = _allowed_arg(params, dev)
         bias = _bias_arg([p.logit_bias for p in params], dev)
         k = max(1, max(p.logprobs or 0 for p in params))
-        top_ids, top_lps, lse = ops.topk_logprobs(logits, k, allowed, bias)  # [B,k] [B,k] [B]
+        mass_rows = [i for i, p in enumerate(params)
+                     if p.logprobs is not None and p.allowed_token_ids is not None]
+        top_ids, top_lps, lse, *full = ops.topk_logprobs(  # [B,k] [B,k] [B] (+ [B])
+            logits, k, allowed, bias, full_lse=bool(mass_rows))
         tokens = top_ids[:, 0].clone()                                       # [B] greedy ids
+        mass: dict[int, float | None] = {}
+        if mass_rows:
+            lse_l, full_l = lse.tolist(), full[0].tolist()
+            for i in mass_rows:
+                m = lse_l[i] - full_l[i]
+                # <= 0 up to rounding; a NaN / +inf logit outside the set has no finite mass
+                mass[i] = min(m, 0.0) if math.isfinite(m) else None
 
         modified = [i for i, r in enumerate(rows)
                     if r.params.has_penalties or r.suppress_ids]
@@ -196,7 +210,8 @@ class Sampler:
             else:  # greedy: the top-1 (top_lps has a column even for logprobs 0)
                 lp, rk = top_lps_l[i][0], 1
             out.append((tokens_l[i], TokenLogprob(
-                tokens_l[i], lp, rk, top, [(t, in_top.get(t, v)) for t, v in extra.get(i, [])])))
+                tokens_l[i], lp, rk, top, [(t, in_top.get(t, v)) for t, v in extra.get(i, [])],
+                mass.get(i))))
         return out
 
     def prompt_logprobs(self, logits: torch.Tensor, target_ids: Seq[int], k: int

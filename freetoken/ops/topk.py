@@ -2,13 +2,17 @@
 freetoken._C (csrc/topk/, csrc/cuda/) or its pure-torch twin, and the checks of its compact
 per-row lists (which sample_tokens shares).
 
-    topk_logprobs(logits, k, allowed=None, logit_bias=None) -> (ids, logprobs, lse)
+    topk_logprobs(logits, k, allowed=None, logit_bias=None, full_lse=False)
+        -> (ids, logprobs, lse), or (ids, logprobs, lse, full) with full_lse
 
 Per row r of logits [B, V] (fp32/bf16/fp16), with x(t) = logit(t) + bias(t) computed in fp32:
   * the row's *set* is its allowed ids (duplicates count once), or the whole vocabulary when its
     range of `allowed` is empty;
   * lse[r] = log sum_{t in set} exp x(t); logprob(t) = x(t) - lse[r] for any t in the set;
-  * ids/logprobs [B, k] are the top k of the set by (x desc, id asc), padded with -1 / -inf.
+  * ids/logprobs [B, k] are the top k of the set by (x desc, id asc), padded with -1 / -inf;
+  * full[r] = log sum_{t < V} exp x(t), the unmasked lse (from the same pass over the row), so
+    lse[r] - full[r] is the log of the mass the whole distribution puts on the set (equal to lse
+    on a row without a set; NaN / +inf when a logit outside the set is NaN / +inf).
 NaN or +inf among the set's logits, or a set whose logits are all -inf, raise RuntimeError
 ("... row R has NaN logits"). Bad ids/offsets raise ValueError before any kernel runs.
 
@@ -111,8 +115,10 @@ def _check_compact_py(offsets, ids, values, B: int, V: int) -> str:
 # topk_logprobs
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, allowed=None, logit_bias=None):
-    """-> ids int64 [B, k], logprobs fp32 [B, k], lse fp32 [B]; see the module docstring."""
+def topk_logprobs(logits: torch.Tensor, k: int, allowed=None, logit_bias=None,
+                  full_lse: bool = False):
+    """-> ids int64 [B, k], logprobs fp32 [B, k], lse fp32 [B] (+ full fp32 [B] with full_lse);
+    see the module docstring."""
     _check_logits("topk_logprobs", logits)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
         raise ValueError(f"topk_logprobs: k must be an int in 0..{MAX_K}, got {k!r}")
@@ -123,16 +129,15 @@ def topk_logprobs(logits: torch.Tensor, k: int, allowed=None, logit_bias=None):
     if name == "ext-cuda" and k and V > (4096 // k) * 4096:
         name = "torch"  # the CUDA merge holds (V / 4096) * k candidates: at most 4096
     if name == "torch":
-        return _topk_logprobs_torch(logits, k, allowed, logit_bias)
+        return _topk_logprobs_torch(logits, k, allowed, logit_bias, full_lse)
     a = allowed or (None, None)
     b = logit_bias or (None, None, None)
-    out = _C.topk_logprobs(logits.contiguous(), k, *a, *b)
+    out = _C.topk_logprobs(logits.contiguous(), k, *a, *b, full_lse)
     if name == "ext-cuda":
-        ids, lps, lse, status = out
+        *out, status = out
         if bool(status.any()):
             r = int(status.nonzero()[0, 0])
             _raise_row("topk_logprobs", r, int(status[r]))
-        return ids, lps, lse
     return tuple(out)
 
 
@@ -152,8 +157,9 @@ def _rows_of(offsets: torch.Tensor, B: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(B, device=offsets.device), counts)
 
 
-def _masked_biased(fn: str, logits: torch.Tensor, allowed, logit_bias):
-    """-> (xm fp32 [B, V]: logit + bias, -inf outside the set; member bool [B, V] or None).
+def _masked_biased(fn: str, logits: torch.Tensor, allowed, logit_bias, unmasked: bool = False):
+    """-> (xm fp32 [B, V]: logit + bias, -inf outside the set; member bool [B, V] or None), plus
+    x (logit + bias, no mask) when `unmasked`.
 
     Raises on NaN / +inf in the set or an all -inf set, in the kernel's order and words."""
     B, V = logits.shape
@@ -164,31 +170,35 @@ def _masked_biased(fn: str, logits: torch.Tensor, allowed, logit_bias):
         dense.index_put_((_rows_of(bo, B), bi.long()), bv, accumulate=True)
         x = x + dense  # the kernel adds the summed bias too: logit + (b1 + b2)
     member = None
+    xm = x
     if allowed is not None and allowed[1].numel():
         ao, ai = allowed
         member = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
         member[_rows_of(ao, B), ai.long()] = True
         member |= (ao[1:] == ao[:-1])[:, None]  # an empty range: no mask on that row
-        x = x.masked_fill(~member, _NEG_INF)
-    flags = (torch.isnan(x).any(-1).int() * _FLAG_NAN
-             | (x == float("inf")).any(-1).int() * _FLAG_POSINF
-             | (x.amax(-1) == _NEG_INF).int() * _FLAG_ALLNEG)
+        xm = x.masked_fill(~member, _NEG_INF)
+    flags = (torch.isnan(xm).any(-1).int() * _FLAG_NAN
+             | (xm == float("inf")).any(-1).int() * _FLAG_POSINF
+             | (xm.amax(-1) == _NEG_INF).int() * _FLAG_ALLNEG)
     if bool(flags.any()):
         r = int(flags.nonzero()[0, 0])
         _raise_row(fn, r, int(flags[r]))
-    return x, member
+    return (xm, member, x) if unmasked else (xm, member)
 
 
-def _topk_logprobs_torch(logits, k, allowed, logit_bias):
+def _topk_logprobs_torch(logits, k, allowed, logit_bias, full_lse=False):
     """The pure-torch twin: mask fill, fp32 logsumexp, top-k with ties to the lower id."""
     B, V = logits.shape
     dev = logits.device
-    xm, member = _masked_biased("topk_logprobs", logits, allowed, logit_bias)
+    xm, member, x = _masked_biased("topk_logprobs", logits, allowed, logit_bias, unmasked=True)
     lse = torch.logsumexp(xm, dim=-1)
+    tail = ()
+    if full_lse:  # NaN / +inf outside the set are no error here: logsumexp carries them on
+        tail = (torch.logsumexp(x, dim=-1) if member is not None else lse.clone(),)
     ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
     lps = torch.full((B, k), _NEG_INF, dtype=torch.float32, device=dev)
     if k == 0 or B == 0:
-        return ids, lps, lse
+        return ids, lps, lse, *tail
     kk = min(k, V)
     count = member.sum(-1) if member is not None else torch.full((B,), V, device=dev)
     keff = count.clamp(max=kk)                                            # [B], >= 1
@@ -214,5 +224,5 @@ def _topk_logprobs_torch(logits, k, allowed, logit_bias):
     out_lp = torch.where(out_ids >= 0, out_v - lse[:, None], _NEG_INF)
     ids[:, :kk] = out_ids
     lps[:, :kk] = out_lp
-    return ids, lps, lse
+    return ids, lps, lse, *tail
 

@@ -11,7 +11,8 @@ What it is not: the request models' shapes (pydantic, protocol/requests.py), pro
 (protocol/prompts.py), or anything about HTTP.
 
 Every check raises InvalidRequest (ContextTooLong for the context), a ValueError too, whose
-`param` names the field and position: "prompt[1][7]", "logit_bias.5", "stop[2]".
+`param` names the field and position: "prompt[1][7]", "logit_bias.5", "stop[2]"; the first
+problem only, except logit_bias, whose every bad entry is named ("logit_bias.5, logit_bias.x").
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def check_logprob_token_ids(
     vocab_size: int | None,
     *,
     max_len: int | None = None,
+    requires: str = "logprobs to be set",
 ) -> None:
+    """None, or a non-empty id list sent with logprobs (`logprobs` None: not asked for; the
+    chat endpoint's rule reads "logprobs to be true")."""
     if ids is None:
         return
+    if not ids:  # as vLLM: an empty list is refused before anything else
+        raise InvalidRequest("logprob_token_ids must not be empty", param="logprob_token_ids")
     if logprobs is None:
-        raise InvalidRequest(
-            "logprob_token_ids requires logprobs to be set", param="logprob_token_ids"
-        )
+        raise InvalidRequest(f"logprob_token_ids requires {requires}", param="logprob_token_ids")
     check_token_ids(ids, vocab_size, "logprob_token_ids", max_len=max_len)
 
 
@@ -139,7 +143,11 @@ def logit_bias_ids(
     bias: Mapping[Any, Any] | None, vocab_size: int | None, *, max_len: int | None = None
 ) -> dict[int, float]:
     """{token id, or its decimal text (JSON keys are strings): bias in [-100, 100]} ->
-    {id: float}, zeros kept."""
+    {id: float}, zeros kept.
+
+    Every bad entry is named in one InvalidRequest (as vLLM lists every out-of-vocabulary id):
+    one entry reads "logit_bias.5 = 200 is outside [-100, 100]" with param "logit_bias.5";
+    several join their messages with "; " and their params with ", "."""
     if not bias:
         return {}
     if max_len is not None and len(bias) > max_len:
@@ -147,6 +155,7 @@ def logit_bias_ids(
             f"logit_bias holds {len(bias)} entries, more than {max_len}", param="logit_bias"
         )
     out: dict[int, float] = {}
+    bad: list[tuple[str, str]] = []  # (param, message)
     for key, value in bias.items():
         param = f"logit_bias.{key}"
         if is_int(key):
@@ -155,18 +164,24 @@ def logit_bias_ids(
             k = key.strip() if isinstance(key, str) else ""
             if not (k.isdecimal() or (k.startswith("-") and k[1:].isdecimal())):
                 shown = repr(key) if len(str(key)) <= 40 else repr(str(key)[:40]) + "..."
-                raise InvalidRequest(f"{param}: the key {shown} is not a token id", param=param)
+                bad.append((param, f"{param}: the key {shown} is not a token id"))
+                continue
             tid = int(k)
         if not _in_vocabulary(tid, vocab_size):
-            raise InvalidRequest(
-                f"{param}: token id {tid} is outside the vocabulary {_vocabulary(vocab_size)}",
-                param=param,
+            bad.append(
+                (
+                    param,
+                    f"{param}: token id {tid} is outside the vocabulary {_vocabulary(vocab_size)}",
+                )
             )
-        if not is_number(value):
-            raise InvalidRequest(f"{param} must be a number, got {value!r}", param=param)
-        if not -MAX_BIAS <= value <= MAX_BIAS:
-            raise InvalidRequest(f"{param} = {value} is outside [-100, 100]", param=param)
-        out[tid] = float(value)
+        elif not is_number(value):
+            bad.append((param, f"{param} must be a number, got {value!r}"))
+        elif not -MAX_BIAS <= value <= MAX_BIAS:
+            bad.append((param, f"{param} = {value} is outside [-100, 100]"))
+        else:
+            out[tid] = float(value)
+    if bad:
+        raise InvalidRequest("; ".join(m for _, m in bad), param=", ".join(p for p, _ in bad))
     return out
 
 

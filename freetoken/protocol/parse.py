@@ -78,6 +78,15 @@ def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
     return kw  # NOTE: no filtering: a field SamplingParams lacks must fail loudly, never vanish
 
 
+def _check_stream_options(req: _SamplingFields) -> None:
+    # as OpenAI and vLLM: options for a stream that will not happen are a client's mistake
+    # (stricter than vLLM, which lets an empty {} through: any value but null is refused)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
 def _make_params(kw: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**kw)
@@ -126,6 +135,7 @@ def parse_completion(
 ) -> ParsedRequest:
     """POST /v1/completions. `engine_limits`: the engine's EngineLimits."""
     req: CompletionRequest = validate_model(CompletionRequest, body)
+    _check_stream_options(req)
     cap = engine_limits.max_logprobs
     limits.check_logprobs(req.logprobs, cap, "logprobs")
     limits.check_logprobs(req.prompt_logprobs, cap, "prompt_logprobs")
@@ -169,9 +179,17 @@ def parse_completion(
 def parse_chat(body: Any, engine_limits, tokenizer) -> ParsedRequest:
     """POST /v1/chat/completions. `engine_limits`: the engine's EngineLimits."""
     req: ChatCompletionRequest = validate_model(ChatCompletionRequest, body)
+    _check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     limits.check_logprobs(req.top_logprobs, engine_limits.max_logprobs, "top_logprobs")
+    limits.check_logprob_token_ids(
+        req.logprob_token_ids,
+        0 if req.logprobs else None,
+        engine_limits.vocab_size,
+        max_len=limits.MAX_LOGPROB_TOKEN_IDS,
+        requires="logprobs to be true",
+    )
     kw = _sampling_kwargs(req, engine_limits.vocab_size)
     text, ids = render_chat(
         req.messages,
@@ -201,6 +219,8 @@ def parse_chat(body: Any, engine_limits, tokenizer) -> ParsedRequest:
     if req.logprobs:
         lp = req.top_logprobs or 0
         kw["logprobs"] = lp
+        if req.logprob_token_ids:
+            kw["logprob_token_ids"] = list(dict.fromkeys(req.logprob_token_ids))
     return _parsed(req, prompts, kw, logprobs=lp)
 
 

@@ -113,7 +113,12 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(
+        None,
+        description="sample only these ids; with logprobs, logprobs are renormalized over the "
+        "set and each sampled position also reports the log of the mass the full distribution "
+        "puts on the set (allowed_logprobs / allowed_logprob in the response)",
+    )
     return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -181,7 +186,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0, description="default 16; 0 only with echo")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = Field(
+        None, description="non-empty; needs logprobs; these ids join top_logprobs at every position"
+    )
     prompt_logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
     suffix: Annotated[str | None, NeutralOnly(None, "")] = Field(
@@ -204,6 +211,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    logprob_token_ids: list[int] | None = Field(
+        None, description="non-empty; needs logprobs: true; these ids join top_logprobs"
+    )
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     continue_final_message: Annotated[bool | None, NeutralOnly(None, False)] = Field(

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from freetoken.protocol.prompts import Prompt
 
 
+# JSON has no infinities: a -inf logprob (an id outside allowed_token_ids asked for through
+# logprob_token_ids, or a -inf logit) is rendered as OpenAI's and vLLM's stand-in
+MIN_LOGPROB = -9999.0
+
+
+def logprob_value(lp: float) -> float:
+    return max(float(lp), MIN_LOGPROB)
+
+
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -37,7 +46,7 @@ def _top_dict(tokenizer, tl, k: int, as_ids: bool) -> dict[str, float]:
     entries.sort(key=lambda e: -float(e[1]))  # stable: ties keep the engine's order
     out: dict[str, float] = {}
     for tid, lp in entries:
-        out.setdefault(token_key(tokenizer, tid, as_ids), float(lp))
+        out.setdefault(token_key(tokenizer, tid, as_ids), logprob_value(lp))
     return out
 
 
@@ -57,15 +66,23 @@ class LegacyLogprobs:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
+    # FreeToken's extension, only with allowed_token_ids: per position, the log of the mass the
+    # full distribution puts on the allowed set (null at prompt positions); None: key absent
+    allowed_logprobs: list[float | None] | None = None
 
     def extend(self, other: LegacyLogprobs) -> None:
         self.tokens += other.tokens
         self.token_logprobs += other.token_logprobs
         self.top_logprobs += other.top_logprobs
         self.text_offset += other.text_offset
+        if other.allowed_logprobs is not None:
+            self.allowed_logprobs = (self.allowed_logprobs or []) + other.allowed_logprobs
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.allowed_logprobs is None:
+            del out["allowed_logprobs"]
+        return out
 
 
 @dataclass
@@ -89,14 +106,14 @@ def prompt_logprobs_entries(tokenizer, prompt_ids: list[int], plps: list, k: int
         entry = {}
         for rank, (tid, lp) in enumerate(list(tl.top)[:k], start=1):
             entry[str(tid)] = {
-                "logprob": float(lp),
+                "logprob": logprob_value(lp),
                 "rank": rank,
                 "decoded_token": token_text(tokenizer, tid),
             }
         entry.setdefault(
             str(tl.token_id),
             {
-                "logprob": float(tl.logprob),
+                "logprob": logprob_value(tl.logprob),
                 "rank": int(tl.rank),
                 "decoded_token": token_text(tokenizer, tl.token_id),
             },
@@ -113,6 +130,7 @@ class ChoiceState:
         self.parsed = parsed
         self.prompt = prompt
         self.as_ids = bool(parsed.request.return_tokens_as_token_ids)
+        self.with_mass = parsed.params.allowed_token_ids is not None  # allowed_logprob(s)
         self.text_len = 0
         self.first = True
         self.num_prompt_tokens = len(prompt.ids)
@@ -126,10 +144,12 @@ class ChoiceState:
         ids = [tl.token_id for tl in lps]
         res = LegacyLogprobs(
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
-            token_logprobs=[float(tl.logprob) for tl in lps],
+            token_logprobs=[logprob_value(tl.logprob) for tl in lps],
             top_logprobs=[_top_dict(self.tok, tl, k, self.as_ids) for tl in lps],
             text_offset=_char_offsets(self.tok, ids, start, self.text_len),
         )
+        if self.with_mass:
+            res.allowed_logprobs = [tl.allowed_mass for tl in lps]
         return res
 
     def feed(self, out) -> Fragment:
@@ -176,12 +196,14 @@ class ChoiceState:
         plps = list(plps or [None] * len(ids))
         res = LegacyLogprobs(
             tokens=[token_key(self.tok, t, self.as_ids) for t in ids],
-            token_logprobs=[None if tl is None else float(tl.logprob) for tl in plps],
+            token_logprobs=[None if tl is None else logprob_value(tl.logprob) for tl in plps],
             top_logprobs=[
                 None if tl is None else _top_dict(self.tok, tl, k, self.as_ids) for tl in plps
             ],
             text_offset=_char_offsets(self.tok, ids, 0, len(ptext)),
         )
+        if self.with_mass:  # the prompt is scored, not sampled from the set
+            res.allowed_logprobs = [None] * len(ids)
         return res
 
 
@@ -212,9 +234,22 @@ class ChatChoiceState(ChoiceState):
     def _entry(self, tid: int, lp: float) -> dict:
         return {
             "token": token_key(self.tok, tid, self.as_ids),
-            "logprob": float(lp),
+            "logprob": logprob_value(lp),
             "bytes": list(self.tok.token_bytes(tid)),
         }
+
+    def _content(self, tl, k: int) -> dict:
+        """One content[] entry: top_logprobs holds the top k plus the logprob_token_ids entries
+        (each id once, best first); allowed_logprob only with allowed_token_ids."""
+        top = dict(list(tl.top)[:k])
+        for t, lp in getattr(tl, "extra", None) or []:
+            top.setdefault(t, lp)
+        ranked = sorted(top.items(), key=lambda e: -float(e[1]))  # stable: ties keep the order
+        entry = self._entry(tl.token_id, tl.logprob)
+        entry["top_logprobs"] = [self._entry(t, lp) for t, lp in ranked]
+        if self.with_mass:
+            entry["allowed_logprob"] = tl.allowed_mass
+        return entry
 
     def feed(self, out) -> Fragment:
         frag = Fragment()
@@ -224,11 +259,7 @@ class ChatChoiceState(ChoiceState):
         self.num_output_tokens += len(out.new_token_ids or [])
         if self.parsed.logprobs is not None and out.logprobs:
             k = self.parsed.logprobs
-            frag.logprobs = [
-                self._entry(tl.token_id, tl.logprob)
-                | {"top_logprobs": [self._entry(t, lp) for t, lp in list(tl.top)[:k]]}
-                for tl in out.logprobs
-            ]
+            frag.logprobs = [self._content(tl, k) for tl in out.logprobs]
         if out.finished:
             self.finish_reason = out.finish_reason
             frag.finish_reason = out.finish_reason

@@ -19,6 +19,7 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
 from freetoken.engine.generate import build_forward_batch
+from freetoken.engine.sampler import Sampler
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import ContextTooLong, InvalidRequest
 from freetoken.testing.workloads import PREFIX
@@ -263,6 +264,70 @@ def test_allowed_token_ids_in_sampling_and_logprobs(make_engine, tok):
     assert dict(lp.extra)[5] == float("-inf")  # outside the allowed set
     if allowed[0] == lp.token_id:
         assert abs(dict(lp.extra)[allowed[0]] - lp.logprob) < 1e-6
+
+
+def test_allowed_mass_is_the_full_distributions_mass_on_the_set(make_engine, loaded, tok,
+                                                                 monkeypatch):
+    # per sampled position: log(sum over the set of softmax(logits + bias)) in fp64 from the
+    # logits the engine sampled from, within 1e-5 (and from a direct forward within 1e-4, the
+    # logprob tolerance above: a one-row prefill rounds its logits differently); a short set
+    # (gathered by the kernel) and a large one (masked dense pass)
+    seen = []  # (logits row, params, TokenLogprob) of every sampled row
+    real = Sampler.sample
+
+    def spy(self, logits, rows):
+        out = real(self, logits, rows)
+        seen.extend((logits[i].clone(), r.params, lp) for i, (r, (_, lp)) in
+                    enumerate(zip(rows, out)))
+        return out
+
+    monkeypatch.setattr(Sampler, "sample", spy)
+    p = tok.encode("Is the sky green? Answer:")
+    V = loaded.config.vocab_size
+    yes = tok.encode(" Yes", add_special_tokens=False)[0]
+    small = sorted({yes, tok.encode(" No", add_special_tokens=False)[0], 28, 1000})
+    large = list(range(0, V, 7)) + [yes]
+    bias = {small[0]: 2.5, 5: -3.0}  # one inside the set, one outside: both move the mass
+    eng = make_engine()
+    cases = [SamplingParams(max_tokens=5, temperature=1.0, seed=11, ignore_eos=True,
+                            allowed_token_ids=small, logit_bias=bias, logprobs=2),
+             greedy(max_tokens=4, allowed_token_ids=large, logprobs=0),
+             greedy(max_tokens=2, allowed_token_ids=small, logprobs=1, repetition_penalty=1.5)]
+    outs = eng.generate([p] * len(cases), cases)
+
+    def biased64(x, sp):
+        x = x.double()
+        for b, v in sp.logit_bias.items():
+            x[..., b] += torch.tensor(v, dtype=torch.float32).double()
+        return torch.log_softmax(x, -1)
+
+    checked = 0
+    for x, sp, lp in seen:
+        if sp.allowed_token_ids is None:
+            continue
+        keep = torch.tensor(sp.allowed_token_ids)
+        want = float(torch.logsumexp(biased64(x, sp)[keep], 0))
+        assert lp.allowed_mass is not None and lp.allowed_mass <= 0
+        assert abs(lp.allowed_mass - want) < 1e-5, (lp.allowed_mass, want)
+        checked += 1
+    assert checked == sum(len(o.new_token_ids) for o in outs) == 11
+    model = loaded.model
+    for sp, out in zip(cases, outs):
+        seq = p + out.new_token_ids
+        kv = model.make_kv_cache(8, 16)
+        batch = build_forward_batch([(seq, 0, list(range(8)))], 16, all_logits=True)
+        logp = biased64(model.compute_logits(model.forward(batch, kv)), sp)  # [L, V]
+        keep = torch.tensor(sp.allowed_token_ids)
+        for j, lp in enumerate(out.logprobs):
+            row = logp[len(p) - 1 + j]
+            assert abs(lp.allowed_mass - float(torch.logsumexp(row[keep], 0))) < 1e-4
+            # the renormalized logprob plus the mass is the unrenormalized one
+            assert abs(lp.logprob + lp.allowed_mass - float(row[lp.token_id])) < 1e-4
+    plain = eng.generate([p], greedy(max_tokens=2, logprobs=1))[0]
+    assert all(lp.allowed_mass is None for lp in plain.logprobs)  # no set: no mass
+    scored = eng.generate([p], SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=0,
+                                              allowed_token_ids=small))[0]
+    assert all(lp is None or lp.allowed_mass is None for lp in scored.prompt_logprobs)
 
 
 def test_logit_bias_stop_strings_and_penalties(make_engine, tok):

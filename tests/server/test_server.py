@@ -139,6 +139,30 @@ REFUSALS = [
         "Requested logprobs of 21, which is greater than max allowed: 20",
     ),
     ({"prompt": "hi", "logprob_token_ids": [5]}, "logprob_token_ids", "requires logprobs"),
+    # the peers' behaviours (issue 22): an empty list, options for a stream that is not one,
+    # every bad logit_bias key named at once
+    (
+        {"prompt": "hi", "logprobs": 1, "logprob_token_ids": []},
+        "logprob_token_ids",
+        "logprob_token_ids must not be empty",
+    ),
+    (
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (
+        {"prompt": "hi", "stream": False, "stream_options": {"include_usage": False}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (
+        {"prompt": "hi", "logit_bias": {"50000": 1, "3": 1, "x": 2, "49152": 1}},
+        "logit_bias.50000, logit_bias.x, logit_bias.49152",
+        "logit_bias.50000: token id 50000 is outside the vocabulary (0..49151); "
+        "logit_bias.x: the key 'x' is not a token id; "
+        "logit_bias.49152: token id 49152 is outside the vocabulary (0..49151)",
+    ),
     ({"prompt": "hi", "best_of": 2}, "best_of", "best_of is not supported"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "suffix is not supported"),
@@ -227,6 +251,27 @@ CHAT_REFUSALS = [
     ),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "foo": 1}, "foo"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprob_token_ids": [5]},
+        "logprob_token_ids",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "logprob_token_ids": []},
+        "logprob_token_ids",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+         "logprob_token_ids": [5, 49152]},
+        "logprob_token_ids[1]",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"49152": 1, "y": 1}},
+        "logit_bias.49152, logit_bias.y",
+    ),
 ]
 
 
@@ -376,6 +421,87 @@ def test_logprob_token_ids(srv):
     )
     for top in out["choices"][0]["logprobs"]["top_logprobs"]:
         assert {f"token_id:{t}" for t in (YES, NO, 5)} <= set(top)
+
+
+def test_chat_logprob_token_ids(srv):
+    # vLLM takes logprob_token_ids on chat too; here the ids join the top K in top_logprobs
+    body = {
+        "messages": [{"role": "user", "content": "Is the sky blue? Answer Yes or No."}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "logprob_token_ids": [YES, NO, 5],
+        "return_tokens_as_token_ids": True,
+    }
+    r = srv.post("/v1/chat/completions", {"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2
+    for e in content:
+        tops = [(t["token"], t["logprob"]) for t in e["top_logprobs"]]
+        assert {f"token_id:{t}" for t in (YES, NO, 5)} <= {t for t, _ in tops}
+        assert len(tops) in (3, 4) and [v for _, v in tops] == sorted((v for _, v in tops),
+                                                                      reverse=True)
+        assert dict(tops).get(e["token"], e["logprob"]) == e["logprob"]
+    chunks = sse(srv, "/v1/chat/completions", body)
+    streamed = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert same_logprobs(streamed, content)
+
+
+def test_allowed_logprobs(srv):
+    # with allowed_token_ids: per position the log of the full distribution's mass on the set;
+    # token_logprobs are renormalized over the set, so their sum with it is the plain logprob
+    allowed = [YES, NO, 5, 28]
+    body = {"prompt": QUESTION, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+            "allowed_token_ids": allowed, "logit_bias": {str(NO): 1.5},
+            "return_tokens_as_token_ids": True}
+    out = srv.complete({**body, "echo": True, "logprob_token_ids": [7]})
+    lp = out["choices"][0]["logprobs"]
+    assert all(top["token_id:7"] == -9999.0 for top in lp["top_logprobs"][-3:])  # outside
+    n_prompt = out["usage"]["prompt_tokens"]
+    masses = lp["allowed_logprobs"]
+    assert len(masses) == len(lp["tokens"]) == n_prompt + 3
+    assert masses[:n_prompt] == [None] * n_prompt  # the prompt is scored, not sampled
+    gen = masses[n_prompt:]
+    assert all(isinstance(m, float) and m <= 0 for m in gen)
+    # the engine's own numbers (TokenLogprob.allowed_mass) for the same request
+    from freetoken.engine.sampling_params import SamplingParams
+
+    ids = srv.engine.tokenizer.encode(QUESTION)
+    (ref,) = srv.engine.generate([ids], SamplingParams(
+        max_tokens=3, temperature=0.0, logprobs=2, allowed_token_ids=allowed,
+        logit_bias={NO: 1.5}))
+    assert all(abs(a - tl.allowed_mass) < 1e-5 for a, tl in zip(gen, ref.logprobs))
+    # position 0 without the set (same bias): the plain logprob of the token chosen
+    tok0 = int(lp["tokens"][n_prompt].removeprefix("token_id:"))
+    plain = srv.complete({"prompt": QUESTION, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                          "logprob_token_ids": [tok0], "logit_bias": {str(NO): 1.5},
+                          "return_tokens_as_token_ids": True})
+    plain_lp = plain["choices"][0]["logprobs"]
+    assert "allowed_logprobs" not in plain_lp  # no set: no key
+    want = plain_lp["top_logprobs"][0][f"token_id:{tok0}"]
+    assert abs(lp["token_logprobs"][n_prompt] + gen[0] - want) < 1e-4
+    # streamed chunks carry their positions' values
+    chunks = sse(srv, "/v1/completions", body)
+    streamed = [m for c in chunks for m in (c["choices"][0]["logprobs"] or {})["allowed_logprobs"]]
+    assert same_logprobs(streamed, gen)
+    # chat: one allowed_logprob per content entry, streamed the same
+    chat = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 2,
+            "temperature": 0, "logprobs": True, "allowed_token_ids": allowed,
+            "logprob_token_ids": [7], "return_tokens_as_token_ids": True}
+    r = srv.post("/v1/chat/completions", {"model": MODEL, **chat})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(e["allowed_logprob"] <= 0 for e in content) and len(content) == 2
+    # 7 is outside the set: logprob -inf, rendered -9999.0 as OpenAI and vLLM do (not a 500)
+    for e in content:
+        assert ("token_id:7", -9999.0) in [(t["token"], t["logprob"]) for t in e["top_logprobs"]]
+    chunks = sse(srv, "/v1/chat/completions", chat)
+    streamed = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert same_logprobs(streamed, content)
+    r = srv.post("/v1/chat/completions", {"model": MODEL, **chat, "allowed_token_ids": None})
+    assert all("allowed_logprob" not in e for e in r.json()["choices"][0]["logprobs"]["content"])
 
 
 def test_same_text_ids_do_not_collide(srv):

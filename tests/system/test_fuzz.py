@@ -164,7 +164,8 @@ def _valid_fields(chat: bool) -> tuple[dict, dict]:
             {"role": st.sampled_from(["system", "user", "assistant"]), "content": words}
         )
         req = {"messages": st.lists(msg, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)}
-        opt |= {"logprobs": st.just(True), "top_logprobs": st.integers(0, 5)}
+        opt |= {"logprobs": st.just(True), "top_logprobs": st.integers(0, 5),
+                "logprob_token_ids": vids}  # fmt: skip
     else:
         prompt = words | vids | st.lists(words, min_size=1, max_size=3)
         req = {"prompt": prompt | st.lists(vids, min_size=1, max_size=3),
@@ -178,9 +179,14 @@ def _valid_fields(chat: bool) -> tuple[dict, dict]:
     return req, opt
 
 
+def _stream_options_with_stream_only(body: dict) -> dict:
+    # stream_options without stream: true is a 400 (as OpenAI and vLLM): not a valid body
+    return body if body.get("stream") else {k: v for k, v in body.items() if k != "stream_options"}
+
+
 def bodies(chat: bool):
     req, opt = _valid_fields(chat)
-    valid = st.fixed_dictionaries(req, optional=opt)
+    valid = st.fixed_dictionaries(req, optional=opt).map(_stream_options_with_stream_only)
     fields = _field_strategies(chat)
     required = "messages" if chat else "prompt"
     # NOTE: chat without max_tokens generates to the context's end: keep it mostly present

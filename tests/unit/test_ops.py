@@ -39,11 +39,11 @@ def impl(request):
     """A callable with topk_logprobs' signature, plus its logprob tolerance."""
     name = request.param
     if name == "torch":
-        def run(logits, k, allowed=None, logit_bias=None):
+        def run(logits, k, allowed=None, logit_bias=None, full_lse=False):
             B, V = logits.shape
             a = topk._check_compact("allowed", allowed, B, V, logits.device, False)
             b = topk._check_compact("logit_bias", logit_bias, B, V, logits.device, True)
-            return topk._topk_logprobs_torch(logits, k, a, b)
+            return topk._topk_logprobs_torch(logits, k, a, b, full_lse)
         yield run, 5e-5
         return
     ops.configure(cpu_isa=name.removeprefix("ext-"))
@@ -101,6 +101,22 @@ def reference(logits, k, allowed_lists=None, bias_lists=None):
         ids[r, :n] = members[order]
         lps[r, :n] = xr[order] - lse[r]
     return ids, lps, lse
+
+
+def reference_full(logits, bias_lists=None):
+    """fp64 reference of the unmasked lse: log sum over the whole row of exp(logit + bias)."""
+    B, V = logits.shape
+    x = logits.float().clone()
+    for r, entries in enumerate(bias_lists or []):
+        for t, v in entries:
+            x[r, t] += torch.tensor(v, dtype=torch.float32)
+    return torch.logsumexp(x.double(), -1)
+
+
+def assert_full_matches(full, ref_full, tol):
+    assert full.dtype == torch.float32 and full.shape == ref_full.shape
+    err = (full.double() - ref_full).abs().max().item()
+    assert err <= tol, err
 
 
 def assert_matches(out, ref, tol):
@@ -283,12 +299,67 @@ def test_a_rows_results_do_not_depend_on_the_batch_or_threads(V):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("V", [111, 49152, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_lse_is_the_unmasked_lse(impl, V, dtype):
+    # every plan: no set, a gathered short list, a masked dense set, with and without bias
+    run, tol = impl
+    g = torch.Generator().manual_seed(V + 3)
+    lists = [[], [3, 3, 9], torch.randperm(V, generator=g)[:V // 8].tolist(), [],
+             torch.randperm(V, generator=g)[:V // 20 + 1].tolist(), list(range(V))]
+    bias = [[(1, 4.0)], [(9, -2.0), (V - 1, 30.0)], [(0, 5.0), (0, 1.0)], [], [], [(2, 1.5)]]
+    x = randn(len(lists), V, dtype, seed=V)
+    for k in (0, 1, 20):
+        for b in (None, bias):
+            cb = compact_bias(b) if b else None
+            out = run(x, k, compact(lists), cb, full_lse=True)
+            assert len(out) == 4
+            assert_matches(out[:3], reference(x, k, lists, b), tol)
+            assert_full_matches(out[3], reference_full(x, b), tol)
+            assert out[3][0] == out[2][0] and out[3][3] == out[2][3]  # no set: full is lse
+            assert bool((out[2] - out[3] <= 1e-6).all())              # the set's mass <= 1
+    ids, lps, lse = run(x, 5, compact(lists))  # without full_lse: three outputs, as before
+    assert_matches((ids, lps, lse), reference(x, 5, lists), tol)
+
+
+def test_full_lse_two_threads_match_one(impl):
+    run, tol = impl
+    x = randn(3, 151936, seed=41)
+    lists = [[7, 8], list(range(0, 151936, 5)), []]
+    bias = [[(100000, 9.0)], [(3, 2.0)], []]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(x, 8, compact(lists), compact_bias(bias), full_lse=True)
+        torch.set_num_threads(2)
+        two = run(x, 8, compact(lists), compact_bias(bias), full_lse=True)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one[0], two[0])
+    assert_full_matches(two[3], reference_full(x, bias), tol)
+    assert_full_matches(one[3], reference_full(x, bias), tol)
+
+
+@pytest.mark.parametrize("V", [200, 49152])
+def test_full_lse_outside_the_set_nan_and_inf(impl, V):
+    # NaN / +inf outside the set are no error (the set is fine); they reach the full lse
+    run, _ = impl
+    x = randn(3, V, seed=43)
+    x[0, V - 1] = float("nan")
+    x[1, V - 1] = float("inf")
+    x[2, V - 1] = NEG_INF
+    out = run(x, 2, compact([[1, 2], list(range(V // 2)), [1]]), full_lse=True)
+    assert math.isnan(out[3][0].item()) and out[3][1].item() == float("inf")
+    assert math.isfinite(out[3][2].item()) and math.isfinite(out[2][0].item())
+
+
 def test_noncontiguous_and_batch_of_zero():
     x = randn(4, 300, seed=21)[:, ::2]
     ids, lps, lse = ops.topk_logprobs(x, 3)
     assert_matches((ids, lps, lse), reference(x.contiguous(), 3), 1e-5)
     ids, lps, lse = ops.topk_logprobs(torch.zeros(0, 50), 4)
     assert ids.shape == (0, 4) and lse.shape == (0,)
+    assert ops.topk_logprobs(torch.zeros(0, 50), 4, full_lse=True)[3].shape == (0,)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -372,11 +443,17 @@ def test_property_against_reference(p):
     B, V = x.shape
     ca = topk._check_compact("allowed", a, B, V, x.device, False)
     cb = topk._check_compact("logit_bias", b, B, V, x.device, True)
-    assert_matches(topk._topk_logprobs_torch(x, k, ca, cb), ref, 5e-5)
+    ref_full = reference_full(x, biases)
+    twin = topk._topk_logprobs_torch(x, k, ca, cb, True)
+    assert_matches(twin[:3], ref, 5e-5)
+    assert_full_matches(twin[3], ref_full, 5e-5)
     for isa in ISAS:
         ops.configure(cpu_isa=isa)
         try:
             assert_matches(ops.topk_logprobs(x, k, a, b), ref, 1e-5)
+            out = ops.topk_logprobs(x, k, a, b, full_lse=True)
+            assert_matches(out[:3], ref, 1e-5)
+            assert_full_matches(out[3], ref_full, 1e-5)
         finally:
             ops.configure()
 
@@ -550,6 +627,9 @@ def test_cuda_matches_reference(V, dtype):
         ref = reference(x, k, lists, bias)
         out = ops.topk_logprobs(x.cuda(), k, compact(lists), compact_bias(bias))
         assert_matches(tuple(t.cpu() for t in out), ref, 1e-5)
+        out = ops.topk_logprobs(x.cuda(), k, compact(lists), compact_bias(bias), full_lse=True)
+        assert_matches(tuple(t.cpu() for t in out[:3]), ref, 1e-5)
+        assert_full_matches(out[3].cpu(), reference_full(x, bias), 1e-5)
     for B, V in ((1, 151936), (128, 151936), (33, 49152)):
         x = randn(B, V, seed=B)
         assert_matches(tuple(t.cpu() for t in ops.topk_logprobs(x.cuda(), 64)),

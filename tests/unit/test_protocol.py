@@ -72,6 +72,7 @@ class TL:  # TokenLogprob
     rank: int = 1
     top: list = field(default_factory=list)
     extra: list = field(default_factory=list)
+    allowed_mass: float | None = None
 
 
 @dataclass
@@ -313,6 +314,53 @@ def test_shared_limits_name_the_field_in_sampling_params_and_engine():
     limits.check_request([1, 299], SamplingParams(max_tokens=62, logprobs=20), LIM)
 
 
+def test_peer_behaviours_re_expressed():
+    # vLLM's test_logprob_token_ids / serving tests and OpenAI's refusals, against this contract
+    for lp in (None, 1):  # vLLM: an empty list is refused whatever logprobs says
+        body = {"prompt": "a", "logprob_token_ids": []} | ({"logprobs": lp} if lp else {})
+        refused(body, "logprob_token_ids", "logprob_token_ids must not be empty")
+    refused(
+        {"prompt": "a", "logprob_token_ids": [5]},
+        "logprob_token_ids",
+        "logprob_token_ids requires logprobs to be set",
+    )
+    # stream_options is for streams (vLLM: "Stream options can only be defined when
+    # `stream=True`"); null is no options at all, and with stream: true it is served
+    msg = "stream_options is only allowed when stream is true"
+    refused({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", msg)
+    refused({"prompt": "a", "stream": False, "stream_options": {}}, "stream_options", msg)
+    assert not parse({"prompt": "a", "stream_options": None}).include_usage
+    assert parse(
+        {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}}
+    ).include_usage
+    m = [{"role": "user", "content": "a"}]
+    refused(
+        {"messages": m, "stream_options": {"include_usage": True}}, "stream_options", msg, fn=chat
+    )
+    # every bad logit_bias entry in one 400, in the body's order (vLLM lists every bad id)
+    e = refused(
+        {"prompt": "a", "logit_bias": {"300": 1, "7": 2, "x": 1, "5": 101, "-1": 0}},
+        "logit_bias.300, logit_bias.x, logit_bias.5, logit_bias.-1",
+    )
+    assert e.message == (
+        "logit_bias.300: token id 300 is outside the vocabulary (0..299); "
+        "logit_bias.x: the key 'x' is not a token id; "
+        "logit_bias.5 = 101.0 is outside [-100, 100]; "
+        "logit_bias.-1: token id -1 is outside the vocabulary (0..299)"
+    )
+    refused(
+        {"messages": m, "logit_bias": {"300": 1, "301": 1}},
+        "logit_bias.300, logit_bias.301",
+        fn=chat,
+    )
+    # one bad entry reads as before
+    refused(
+        {"prompt": "a", "logit_bias": {"7": 2, "300": 1}},
+        "logit_bias.300",
+        "logit_bias.300: token id 300 is outside the vocabulary (0..299)",
+    )
+
+
 def test_logit_bias_key_of_non_ascii_digits_is_a_400():
     # "²".isdigit() but int("²") fails: the key must be refused, not crash the request
     refused({"prompt": "a", "logit_bias": {"\u00b2": 1}}, "logit_bias.\u00b2")
@@ -354,6 +402,11 @@ def test_logit_bias_key_of_non_ascii_digits_is_a_400():
         ({"logit_bias": {"5": True}}, "logit_bias.5"),
         ({"logprob_token_ids": [1]}, "logprob_token_ids"),
         ({"logprobs": 1, "logprob_token_ids": [300]}, "logprob_token_ids[0]"),
+        ({"logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
+        ({"logprob_token_ids": []}, "logprob_token_ids"),
+        ({"logprob_token_ids": "123"}, "logprob_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {}}, "stream_options"),
         ({"min_tokens": 20}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -421,6 +474,33 @@ def test_echo_requests_prompt_logprobs():
 
 def chat(body):
     return parse_chat(body, LIM, TOK)
+
+
+def test_chat_logprob_token_ids():
+    m = [{"role": "user", "content": "hi"}]
+    p = chat({"messages": m, "logprobs": True, "logprob_token_ids": [9, 3, 9]})
+    assert p.params.logprob_token_ids == [9, 3] and p.params.logprobs == 0
+    for body, message in [
+        ({"logprob_token_ids": [9]}, "logprob_token_ids requires logprobs to be true"),
+        (
+            {"logprobs": False, "logprob_token_ids": [9]},
+            "logprob_token_ids requires logprobs to be true",
+        ),
+        ({"logprobs": True, "logprob_token_ids": []}, "logprob_token_ids must not be empty"),
+        ({"logprob_token_ids": []}, "logprob_token_ids must not be empty"),
+    ]:
+        refused({"messages": m, **body}, "logprob_token_ids", message, fn=chat)
+    refused(
+        {"messages": m, "logprobs": True, "logprob_token_ids": [1, 300]},
+        "logprob_token_ids[1]",
+        "logprob_token_ids[1] = 300 is outside the vocabulary (0..299)",
+        fn=chat,
+    )
+    refused(
+        {"messages": m, "logprobs": True, "logprob_token_ids": list(range(257))},
+        "logprob_token_ids",
+        fn=chat,
+    )
 
 
 def test_chat_parse():
@@ -605,6 +685,121 @@ def test_chat_logprobs_shape():
     assert c["finish_reason"] == "stop"
 
 
+def test_chat_top_logprobs_carry_logprob_token_ids():
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+            "logprob_token_ids": [66, 65, 90],
+        }
+    )
+    st = responses.ChatChoiceState(TOK, p, p.prompts[0])
+    f = st.feed(
+        Out(
+            [65],
+            "A",
+            [TL(65, -0.1, 1, [(65, -0.1), (66, -3.0)], [(66, -3.0), (65, -0.1), (90, -7.5)])],
+        )
+    )
+    (entry,) = f.logprobs
+    # the top 1, then every requested id once, best first; no allowed_logprob without a set
+    assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == [
+        ("A", -0.1),
+        ("B", -3.0),
+        ("Z", -7.5),
+    ]
+    assert "allowed_logprob" not in entry
+
+
+def test_allowed_logprobs_rendered_with_allowed_token_ids_only():
+    body = {
+        "prompt": [104, 105],
+        "logprobs": 1,
+        "echo": True,
+        "max_tokens": 2,
+        "allowed_token_ids": [33, 34],
+    }
+    p = parse(body)
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
+    plps = [None, TL(105, -1.0, 2, [(1, -0.5)])]
+    f1 = st.feed(Out([33], "!", [TL(33, -0.3, 1, [(33, -0.3)], [], -2.5)], prompt_logprobs=plps))
+    f2 = st.feed(
+        Out(
+            [34],
+            '"',
+            [TL(34, -0.9, 2, [(33, -0.5)], [], -0.25)],
+            finished=True,
+            finish_reason="length",
+        )
+    )
+    assert f1.logprobs.to_dict()["allowed_logprobs"] == [None, None, -2.5]  # prompt: null
+    assert f2.logprobs.to_dict()["allowed_logprobs"] == [-0.25]  # each chunk carries its own
+    lp = responses.merge_fragments([f1, f2]).logprobs.to_dict()
+    assert lp["allowed_logprobs"] == [None, None, -2.5, -0.25]
+    assert len(lp["allowed_logprobs"]) == len(lp["token_logprobs"])
+    # score only: every position is a prompt position
+    p = parse({**body, "max_tokens": 0})
+    f = responses.ChoiceState(TOK, p, p.prompts[0]).feed(
+        Out([], "", None, prompt_logprobs=plps, finished=True, finish_reason="length")
+    )
+    assert f.logprobs.to_dict()["allowed_logprobs"] == [None, None]
+    # without allowed_token_ids the key is absent
+    p = parse({"prompt": [104], "logprobs": 1})
+    f = responses.ChoiceState(TOK, p, p.prompts[0]).feed(Out([33], "!", [TL(33, -0.3)]))
+    assert "allowed_logprobs" not in f.logprobs.to_dict()
+    # chat: one allowed_logprob per content entry
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "allowed_token_ids": [65, 66],
+        }
+    )
+    f = responses.ChatChoiceState(TOK, p, p.prompts[0]).feed(
+        Out([65], "A", [TL(65, -0.1, 1, [], [], -1.75)])
+    )
+    assert f.logprobs == [
+        {"token": "A", "logprob": -0.1, "bytes": [65], "top_logprobs": [], "allowed_logprob": -1.75}
+    ]
+
+
+def test_minus_inf_logprobs_render_as_openais_stand_in():
+    # an id outside allowed_token_ids asked for through logprob_token_ids has logprob -inf;
+    # JSON has no -inf, so it renders as -9999.0 (OpenAI's and vLLM's value), never a 500
+    import json
+
+    inf = float("-inf")
+    p = parse(
+        {
+            "prompt": [104],
+            "logprobs": 1,
+            "logprob_token_ids": [5],
+            "allowed_token_ids": [33],
+            "return_tokens_as_token_ids": True,
+        }
+    )
+    st = responses.ChoiceState(TOK, p, p.prompts[0])
+    f = st.feed(Out([33], "!", [TL(33, 0.0, 1, [(33, 0.0)], [(5, inf)], -1.5)]))
+    lp = f.logprobs.to_dict()
+    assert lp["top_logprobs"] == [{"token_id:33": 0.0, "token_id:5": -9999.0}]
+    json.dumps(lp, allow_nan=False)
+    p = chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "logprob_token_ids": [5],
+            "allowed_token_ids": [33],
+        }
+    )
+    f = responses.ChatChoiceState(TOK, p, p.prompts[0]).feed(
+        Out([33], "!", [TL(33, inf, 1, [], [(5, inf)], -1.5)])
+    )
+    (entry,) = f.logprobs
+    assert entry["logprob"] == -9999.0 and entry["top_logprobs"][0]["logprob"] == -9999.0
+    json.dumps(entry, allow_nan=False)
+
+
 def test_usage_dict():
     u = responses.usage_dict(5, 2, 3)
     assert u == {
@@ -623,6 +818,14 @@ def test_openapi_schemas_are_the_models():
     assert comp["additionalProperties"] is False
     assert {"prompt", "allowed_token_ids", "logprobs", "echo"} <= set(comp["properties"])
     assert "prompt" in comp["required"]
+    # the logprobs objects of the 200 bodies carry the allowed-set mass (docs/api.md)
+    schemas = doc["components"]["schemas"]
+    assert "allowed_logprobs" in schemas["CompletionLogprobs"]["properties"]
+    assert "allowed_logprob" in schemas["ChatCompletionTokenLogprob"]["properties"]
+    for path, name in (("/v1/completions", "CompletionResponse"),
+                       ("/v1/chat/completions", "ChatCompletionResponse")):  # fmt: skip
+        ok = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"] == f"#/components/schemas/{name}"
     refs = []
 
     def walk(node):
