@@ -455,8 +455,9 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
       static_cast<int64_t>(w_bytes / panel::kTaskBytes), nthreads, 4 * nthreads) /
       nthreads * nthreads;
   const int64_t n = std::min(ntasks, h.P);
-  // Ranges start on even panels, so the paired kernel (run) leaves no odd panel in the middle.
-  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{1}; };
+  // Ranges start on multiples of 8 panels, so no range leaves a short group (the paired kernel's
+  // odd panel, or fewer than a small row tile's 2-8 panels: fewer FMA chains) in the middle.
+  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{7}; };
   TaskPool::get().run(n, nthreads, [&](int64_t t) { kern.run(a, start(t), start(t + 1)); });
 }
 

@@ -326,9 +326,10 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   const int nthreads = est_ns < kSplitNs ? 1 : at::get_num_threads();
   // Tasks: a few contiguous panel ranges per thread (dynamic claiming absorbs a late helper).
   const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, h.P);
-  TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    kern.run(a, h.P * t / n, h.P * (t + 1) / n);
-  });
+  // NOTE: ranges start on multiples of 4 panels (a small row tile's group): a range ending in a
+  // short group runs it at fewer FMA chains (one row, down's 36 panels in 8 ranges: +15-20 %).
+  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{3}; };
+  TaskPool::get().run(n, nthreads, [&](int64_t t) { kern.run(a, start(t), start(t + 1)); });
 }
 
 }  // namespace panel
