@@ -171,6 +171,29 @@ class Generation:
                 delay = min(delay, left)
             await asyncio.sleep(delay)
 
+    async def await_work(self, request: Request, work: asyncio.Future, t0: float,
+                         abort) -> Any:
+        """`work`'s result, unless the deadline passes, the engine loop dies or the client leaves
+        first: then `work` is cancelled, `abort()` frees its engine requests, and the error
+        (RequestTimeout, EngineDead, ClientGone) is raised."""
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        watch = asyncio.ensure_future(self.watch(t0))
+        try:
+            done, _ = await asyncio.wait({work, gone, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            if watch in done:
+                raise watch.result()
+            raise ClientGone()
+        except BaseException:
+            work.cancel()
+            work.add_done_callback(_retrieve)  # no "exception was never retrieved" log
+            abort()
+            raise
+        finally:
+            gone.cancel()
+            watch.cancel()
+
     def check_output(self, out: RequestOutput) -> None:
         if out.finish_reason == "error" or out.error:
             # NOTE: the engine logged the traceback; the client gets the id, not the internals
@@ -222,26 +245,14 @@ class Generation:
                 frags.append(job.state.feed(out))
             return responses.merge_fragments(frags)
 
-        work = asyncio.gather(*(run(job) for job in jobs))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        watch = asyncio.ensure_future(self.watch(t0))
-        try:
-            done, _ = await asyncio.wait({work, gone, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                merged = work.result()
-            elif watch in done:
-                raise watch.result()
-            else:
-                raise ClientGone()
-        except BaseException:
-            work.cancel()
-            work.add_done_callback(_retrieve)  # no "exception was never retrieved" log
+        def abort():
             for job in jobs:
                 self.engine.abort(job.request_id)
-            raise
+
+        work = asyncio.gather(*(run(job) for job in jobs))
+        try:
+            merged = await self.await_work(request, work, t0, abort)
         finally:
-            gone.cancel()
-            watch.cancel()
             self.inflight.difference_update(job.request_id for job in jobs)
         usage = self._usage(parsed, jobs)
         self._account(request, usage, jobs, t0)

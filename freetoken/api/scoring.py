@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.api.body import BodyReader, decode_json
-from freetoken.api.generation import OFF_LOOP_BYTES, Generation, _retrieve, _wait_disconnect
-from freetoken.api.middleware import ClientGone, access_log
+from freetoken.api.generation import OFF_LOOP_BYTES, Generation
+from freetoken.api.middleware import access_log
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.errors import InvalidRequest
 from freetoken.protocol.scoring import (
@@ -145,24 +145,9 @@ class Scoring:
                     node.num_computed = out.num_prompt_tokens - out.num_cached_tokens
 
         work = asyncio.gather(*(run(node) for node in nodes))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        watch = asyncio.ensure_future(self.gen.watch(t0))
         try:
-            done, _ = await asyncio.wait({work, gone, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                work.result()
-            elif watch in done:
-                raise watch.result()
-            else:
-                raise ClientGone()
-        except BaseException:
-            work.cancel()
-            work.add_done_callback(_retrieve)
-            self._abort(nodes)
-            raise
+            await self.gen.await_work(request, work, t0, lambda: self._abort(nodes))
         finally:
-            gone.cancel()
-            watch.cancel()
             self.gen.inflight.difference_update(node.request_id for node in nodes)
 
     @staticmethod

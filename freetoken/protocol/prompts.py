@@ -24,6 +24,21 @@ class Prompt:
     text: str | None  # the request's text, for text prompts
 
 
+def encode_text(tokenizer, text: str, where: str, add_special_tokens: bool,
+                vocab_size: int) -> list[int]:
+    """`text` as ids; an id outside the model's vocabulary (an added token) is a 400 naming
+    `where` and the position."""
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(
+                f"{where}: the text tokenizes to id {t} at position {i}, outside the "
+                f"vocabulary (0..{vocab_size - 1})",
+                param=where,
+            )
+    return ids
+
+
 def normalize_prompt(
     raw: Any,
     *,
@@ -40,19 +55,12 @@ def normalize_prompt(
     bad_type = InvalidRequest("prompt must be a string or an array of token ids", param="prompt")
 
     def encode(text: str, where: str) -> Prompt:
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = encode_text(tokenizer, text, where, add_special_tokens, vocab_size)
         if not ids:
             raise InvalidRequest(
                 f"{where}: the text yields no tokens and cannot be evaluated", param=where
             )
-        for i, t in enumerate(ids):  # an added token beyond the model's vocabulary
-            if not 0 <= t < vocab_size:
-                raise InvalidRequest(
-                    f"{where}: the text tokenizes to id {t} at position {i}, outside the "
-                    f"vocabulary (0..{vocab_size - 1})",
-                    param=where,
-                )
-        return Prompt(list(ids), text)
+        return Prompt(ids, text)
 
     def id_list(ids: list, where: str) -> Prompt:
         limits.check_prompt_not_empty(ids, where)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from freetoken.errors import InvalidRequest
 from freetoken.protocol import limits
+from freetoken.protocol.prompts import encode_text
 from freetoken.protocol.requests import (
     NeutralOnly,
     _schema_any,
@@ -114,20 +115,9 @@ def parse_scoring(body: Any, engine_limits, tokenizer, *, sglang: bool) -> Scori
             raise InvalidRequest(f"{name} is not supported", param=name)
     vocab = engine_limits.vocab_size
 
-    def encode(text: str, where: str, special: bool) -> list[int]:
-        ids = list(tokenizer.encode(text, add_special_tokens=special))
-        for i, t in enumerate(ids):  # an added token beyond the model's vocabulary
-            if not 0 <= t < vocab:
-                raise InvalidRequest(
-                    f"{where}: the text tokenizes to id {t} at position {i}, outside the "
-                    f"vocabulary (0..{vocab - 1})",
-                    param=where,
-                )
-        return ids
-
     def part(value: Any, where: str, special: bool) -> list[int]:
         if isinstance(value, str):
-            return encode(value, where, special)
+            return encode_text(tokenizer, value, where, special, vocab)
         if isinstance(value, list):
             limits.check_token_ids(value, vocab, where)
             return list(value)
