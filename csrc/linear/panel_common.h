@@ -28,6 +28,7 @@ constexpr int64_t kHeaderBytes = 64;    // so panels stay 64-byte aligned
 enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
 // GGUF blocks of 32 k, regrouped per panel (csrc/linear/quant_linear_cpu.cpp): Q4_1 as d[16], m[16]
 // (fp32) then the nibbles in 4 x 16 uint32 words; Q8_0 as d[16] then the int8s in 8 x 16 words.
+// The blocks of each group of 4 panels interleave (quant_linear_cpu.cpp: block_index).
 constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
 constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
 constexpr int kChains = 8;                 // independent FMA chains wanted per micro-kernel

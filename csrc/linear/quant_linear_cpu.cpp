@@ -16,7 +16,9 @@
 // blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
 // j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
-// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA.
+// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The
+// blocks of each group of 4 panels interleave, block by block (block_index), so the kernel
+// reads a group as one stream.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
 // up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels);
