@@ -132,6 +132,32 @@ def _add_generation_responses(doc: dict) -> None:
         "required": ["token", "logprob", "bytes"],
     }
     usage = {"type": "object", "additionalProperties": True}
+
+    def response(obj: str, choice: dict) -> dict:
+        """A 200 body: the envelope both routes share around their own choice fields."""
+        return {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": obj},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "index": {"type": "integer"},
+                            **choice,
+                            "finish_reason": {"type": ["string", "null"]},
+                            "stop_reason": {"type": ["string", "integer", "null"]},
+                        },
+                    },
+                },
+                "usage": usage,
+            },
+        }
+
     schemas = {
         "CompletionLogprobs": {
             "type": "object",
@@ -163,62 +189,22 @@ def _add_generation_responses(doc: dict) -> None:
             },
             "required": ["token", "logprob", "bytes", "top_logprobs"],
         },
-        "CompletionResponse": {
-            "type": "object",
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "text_completion"},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "text": {"type": "string"},
-                            "logprobs": {
-                                "anyOf": [{"$ref": ref("CompletionLogprobs")}, {"type": "null"}]
-                            },
-                            "finish_reason": {"type": ["string", "null"]},
-                            "stop_reason": {"type": ["string", "integer", "null"]},
-                        },
-                    },
+        "CompletionResponse": response("text_completion", {
+            "text": {"type": "string"},
+            "logprobs": {"anyOf": [{"$ref": ref("CompletionLogprobs")}, {"type": "null"}]},
+        }),
+        "ChatCompletionResponse": response("chat.completion", {
+            "message": {"type": "object"},
+            "logprobs": {
+                "type": ["object", "null"],
+                "properties": {
+                    "content": {
+                        "type": "array",
+                        "items": {"$ref": ref("ChatCompletionTokenLogprob")},
+                    }
                 },
-                "usage": usage,
             },
-        },
-        "ChatCompletionResponse": {
-            "type": "object",
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "chat.completion"},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "message": {"type": "object"},
-                            "logprobs": {
-                                "type": ["object", "null"],
-                                "properties": {
-                                    "content": {
-                                        "type": "array",
-                                        "items": {"$ref": ref("ChatCompletionTokenLogprob")},
-                                    }
-                                },
-                            },
-                            "finish_reason": {"type": ["string", "null"]},
-                            "stop_reason": {"type": ["string", "integer", "null"]},
-                        },
-                    },
-                },
-                "usage": usage,
-            },
-        },
+        }),
     }
     doc["components"]["schemas"].update(schemas)
     for path, name in (

@@ -35,7 +35,9 @@ from freetoken.protocol.requests import (
 _DEFAULT_MAX_TOKENS = CompletionRequest.model_fields["max_tokens"].default
 
 
-def _check_unsupported(req: BaseModel) -> None:
+def check_unsupported(req: BaseModel) -> None:
+    """A NeutralOnly field sent with a value other than its neutral ones: a 400, "X is not
+    supported" (the generation and scoring routes)."""
     sent = req.model_fields_set
     for name, neutral in neutral_only_fields(type(req)).items():  # in declaration order
         if name in sent and getattr(req, name) not in neutral:
@@ -43,7 +45,7 @@ def _check_unsupported(req: BaseModel) -> None:
 
 
 def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
-    _check_unsupported(req)
+    check_unsupported(req)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         limits.check_float32(
             name, getattr(req, name), positive=name in ("top_p", "repetition_penalty")

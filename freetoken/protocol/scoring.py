@@ -22,12 +22,12 @@ from pydantic import BaseModel, Field
 
 from freetoken.errors import InvalidRequest
 from freetoken.protocol import limits
+from freetoken.protocol.parse import check_unsupported
 from freetoken.protocol.prompts import encode_text
 from freetoken.protocol.requests import (
     NeutralOnly,
     _schema_any,
     _Strict,
-    neutral_only_fields,
     validate_model,
 )
 from freetoken.protocol.responses import usage_dict
@@ -110,9 +110,7 @@ class ScoringPlan:
 def parse_scoring(body: Any, engine_limits, tokenizer, *, sglang: bool) -> ScoringPlan:
     """A decoded body of /v1/score (`sglang`) or /v1/generative-scores -> its plan."""
     req = validate_model(ScoreRequest if sglang else GenerativeScoreRequest, body)
-    for name, neutral in neutral_only_fields(type(req)).items():
-        if name in req.model_fields_set and getattr(req, name) not in neutral:
-            raise InvalidRequest(f"{name} is not supported", param=name)
+    check_unsupported(req)
     vocab = engine_limits.vocab_size
 
     def part(value: Any, where: str, special: bool) -> list[int]:
