@@ -8,6 +8,7 @@
 #include "elementwise/elementwise_cpu.h"
 #include "linear/gguf_dequant.h"
 #include "linear/gguf_linear.h"
+#include "linear/int8_linear.h"
 #include "linear/linear_cpu.h"
 #include "topk/topk.h"
 #include "topk/topk_torch.h"
@@ -109,6 +110,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matrix_types", &freetoken::gguf_matrix_types, "the GGUF types gguf_matrix takes");
   m.def("is_gguf_matrix", &freetoken::is_gguf_matrix, "True for a descriptor from gguf_matrix",
         py::arg("weight"));
+  m.def("int8_matrix", &freetoken::int8_matrix_pack,
+        "CPU: a GGUF weight's rows (the arguments of gguf_matrix) -> the int8 matrix that "
+        "panel_linear takes: codes and scales repacked 16 outputs at a time (1-D uint8, owns them)",
+        kNoGil, py::arg("base"), py::arg("row_offsets"), py::arg("types"), py::arg("ends"),
+        py::arg("K"));
+  m.def("int8_matrix_types", &freetoken::int8_matrix_types, "the GGUF types int8_matrix takes");
+  m.def("is_int8_matrix", &freetoken::is_int8_matrix, "True for an int8 matrix",
+        py::arg("weight"));
+  m.def("int8_matrix_unpack", &freetoken::int8_matrix_unpack,
+        "an int8 matrix -> (codes u [N, K] uint8, a [N, K/16], b [N, K/16] fp32, c [N] int32): "
+        "each weight is a * (u - c) + b", py::arg("weight"));
+  m.def("int8_quantize_rows", &freetoken::int8_quantize_rows,
+        "x [M, K] fp32 -> (int8 codes [M, K], scales [M, K/32]): the int8 mode's activations",
+        py::arg("x"));
+  m.def("int8_vnni_available", &freetoken::int8_vnni_available,
+        "True when this CPU runs the int8 VNNI kernel");
+  m.def("int8_peak_gops", &freetoken::int8_peak_gops,
+        "the int8 bound: GOP/s of threads x iters rounds of 12 register vpdpbusd (benchmarks)",
+        kNoGil, py::arg("iters"), py::arg("threads"));
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));
   py::class_<freetoken::DecoderLayerCpu>(

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             linear=kernels.linear,
             cpu_isa=kernels.cpu_isa,
             pool_poll_us=kernels.pool_poll_us,
+            compute=kernels.compute,
         )
     except ValueError as exc:
         print(f"freetoken: {exc}", file=sys.stderr)

@@ -267,6 +267,11 @@ class KernelConfig:
     cpu_isa: str = _knob(
         "auto", "the CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2 or "
         "base", choices=("auto", "avx512", "avx2", "base"), env="FREETOKEN_CPU_ISA")
+    compute: str = _knob(
+        "exact", "how a GGUF's quantized linears compute: exact (each weight its exact "
+        "dequantized value, fp32 arithmetic) or int8 (activations quantized to int8 per block "
+        "of 32, integer dot products with the weights' codes: faster, not exact)",
+        choices=("exact", "int8"), env="FREETOKEN_COMPUTE")
     pool_poll_us: int | None = _knob(
         None, "microseconds the kernels' thread pool polls for the next call before it sleeps "
         "(0: sleep at once; unset: the pool's built-in budget)", parse=int,

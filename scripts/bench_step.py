@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One engine step's forward, bare: the classify step (8 sequences x 28 new tokens behind a
-176-token cached prefix) and the decode steps (8 x 1 and 1 x 1 at context 100) on SmolLM2, with
+176-token cached prefix) and the decode steps (8 x 1 and 1 x 1 at context 100) on SmolLM2 (or
+--model), with
 the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=2 python3 scripts/bench_step.py [--profile]
@@ -37,6 +38,7 @@ BS = 16
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF or HF folder (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
@@ -46,8 +48,9 @@ def main() -> int:
     ap.add_argument("--pool-poll-us", type=int, default=None)
     args = ap.parse_args()
     ops.configure(backend=args.backend, linear=args.linear, pool_poll_us=args.pool_poll_us)
-    print("loading SmolLM2 ...", file=sys.stderr)
-    lm = load_model(dtype=getattr(torch, args.dtype), load_tokenizer=False, progress=False)
+    print(f"loading {args.model or 'SmolLM2'} ...", file=sys.stderr)
+    lm = load_model(args.model, dtype=getattr(torch, args.dtype), load_tokenizer=False,
+                    progress=False)
     m, vocab = lm.model, lm.config.vocab_size
     if args.unfused:
         for layer in m.layers:

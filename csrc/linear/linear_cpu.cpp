@@ -41,6 +41,7 @@
 // elementwise_cpu.cpp; no -march.
 #include "linear/linear_cpu.h"
 #include "linear/gguf_linear.h"
+#include "linear/int8_linear.h"
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -419,6 +420,7 @@ at::Tensor panel_pack_cpu(const at::Tensor& weight) {
 
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed) {
   if (is_gguf_matrix(packed)) return gguf_matrix_shape(packed);
+  if (is_int8_matrix(packed)) return int8_matrix_shape(packed);
   const panel::Header h = panel::read_header(packed, "panel_shape");
   return {h.N, h.K};
 }
@@ -466,6 +468,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
   if (is_gguf_matrix(packed)) return gguf_matrix_linear(x, packed, bias);
+  if (is_int8_matrix(packed)) return int8_matrix_linear(x, packed, bias);
   const panel::Header h = panel::read_header(packed, "panel_linear");
   // GGUF blocks hold fp32 values: x, bias and y are fp32.
   const at::ScalarType dtype = h.format == panel::kBF16 ? at::kBFloat16 : at::kFloat;

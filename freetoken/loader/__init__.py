@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from freetoken import ops
 from freetoken.loader.memory import check_fits
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
 from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
@@ -97,6 +98,11 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    if ops.config().compute == "int8" and (not is_gguf or dtype != torch.float32
+                                           or torch.device(device).type != "cpu"):
+        raise ValueError("compute int8 computes a GGUF file's quantized weights on the CPU with "
+                         f"fp32 activations; not {path.name} as {str(dtype).removeprefix('torch.')}"
+                         f" on {device}")
     if is_gguf:
         from freetoken.loader.gguf import (
             fp32_bytes,

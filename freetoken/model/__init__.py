@@ -43,8 +43,18 @@ def build_model(
         model.embed_tokens = GGUFEmbedding(embedding)
     types = sorted({t for m in matrices.values() for t in m.types}
                    | set(embedding.types if embedding else []))
+    linears = list(matrices.values()) + ([embedding] if embedding and model.lm_head is None
+                                         else [])  # a tied lm_head packs the embedding's
+    int8_types = sorted({t for m in linears if m.int8_ready() for t in m.types})
+    exact_types = sorted({t for m in linears if not m.int8_ready() for t in m.types})
     form = model.pack_linears(matrices, blocks)
-    if form == "gguf":
+    if ops.config().compute == "int8":
+        logger.info("linear layers: int8 compute mode: %s weights' codes repacked for integer dot "
+                    "products (%s), activations quantized to int8 per block of 32%s",
+                    "/".join(int8_types) or "no", "AVX512-VNNI" if ops.int8_vnni_available()
+                    else "portable loop", f"; {'/'.join(exact_types)} weights computed exact "
+                    "(no int8 kernel)" if exact_types else "")
+    elif form == "gguf":
         logger.info("linear layers: the GGUF's %s blocks in place (memory-mapped, no fp32 copy), "
                     "decoded exactly in freetoken._C (%s), fp32 FMAs in one summation order for "
                     "every step size", "/".join(types), ops.cpu_isa())

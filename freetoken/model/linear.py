@@ -106,8 +106,17 @@ class GGUFMatrix:
         offsets = torch.cat([p.offsets for p in parts]) if len(parts) > 1 else parts[0].offsets
         return GGUFMatrix(types, ends, offsets, parts[0].in_features, parts[0].mapping)
 
+    def int8_ready(self) -> bool:
+        """True when the int8 compute mode is on and has a kernel for every type here."""
+        return ops.config().compute == "int8" and all(ops.int8_matrix_available(t)
+                                                      for t in self.types)
+
     def pack(self) -> torch.Tensor:
-        """The descriptor panel_linear computes with (ops.gguf_matrix)."""
+        """What panel_linear computes with: the int8 matrix (ops.int8_matrix, a repacked copy)
+        where int8_ready(), else the descriptor of the blocks in place (ops.gguf_matrix)."""
+        if self.int8_ready():
+            return ops.int8_matrix(self.mapping, self.offsets, self.types, self.ends,
+                                   self.in_features)
         return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
                                self.in_features)
 
@@ -128,7 +137,8 @@ def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: in
     file's blocks here: fp32 on the CPU extension, linear "gguf", or "auto" above
     IN_PLACE_MIN_BYTES; the loader dequantizes them otherwise."""
     mode = ops.config().linear
-    return (mode == "gguf" or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)) \
+    int8 = ops.config().compute == "int8"  # the int8 kernels read the blocks' codes
+    return (mode == "gguf" or int8 or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)) \
         and dtype == torch.float32 and torch.device(device).type == "cpu" \
         and ops.panel_linear_available(torch.empty(0))
 
@@ -136,8 +146,9 @@ def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: in
 def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True when a weight of `dtype` on `device` takes its GGUF blocks as the few-rows form here
     (fp32 on the CPU extension, linear "auto"); the loader reads the blocks only then."""
-    return ops.config().linear == "auto" and dtype == torch.float32 \
-        and torch.device(device).type == "cpu" and ops.panel_linear_available(torch.empty(0))
+    return ops.config().linear == "auto" and ops.config().compute == "exact" \
+        and dtype == torch.float32 and torch.device(device).type == "cpu" \
+        and ops.panel_linear_available(torch.empty(0))
 
 
 # NOTE: bf16 keeps a second form for few rows. oneDNN's AVX512-BF16 dot products run at twice the
@@ -203,11 +214,13 @@ def few_rows_form(few_rows: torch.Tensor | None) -> str | None:
 
 
 def packed_form(weight: torch.Tensor) -> str:
-    """"gguf" (a GGUF descriptor), "panels", "onednn" or "plain"."""
+    """"gguf" (a GGUF descriptor), "int8" (an int8 matrix), "panels", "onednn" or "plain"."""
     if weight.is_mkldnn:
         return "onednn"
     if weight.dim() == 1:
-        return "gguf" if ops.is_gguf_matrix(weight) else "panels"
+        if ops.is_gguf_matrix(weight):
+            return "gguf"
+        return "int8" if ops.is_int8_matrix(weight) else "panels"
     return "plain"
 
 
@@ -248,7 +261,8 @@ class Linear(nn.Module):
                 raise ValueError(f"GGUF weight [{matrix.out_features}, {matrix.in_features}] "
                                  f"for a layer [{self.out_features}, {self.in_features}]")
             self.weight = nn.Parameter(matrix.pack(), requires_grad=False)
-            self.mapping = matrix.mapping  # the descriptor's addresses point into it
+            if packed_form(self.weight) == "gguf":
+                self.mapping = matrix.mapping  # the descriptor's addresses point into it
             return True
         if packed_form(self.weight) != "plain":
             return True

@@ -9,6 +9,7 @@ pure-torch twin in the same module, one module per op family.
     linear.py         panel linear over packed fp32 / bf16 weights or GGUF descriptors (no twin)
     gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package), and
                       the block-resident weight descriptor (gguf_matrix) for panel_linear
+    int8.py           the int8 compute mode's repacked weights (int8_matrix) for panel_linear
     decoder_layer.py  one Llama decoder layer as one C++ call
 
 Importing loads freetoken._C (a stale build is an ImportError); nothing here reads the
@@ -18,6 +19,7 @@ environment. Not the model (freetoken/model/) that chooses among these.
 from freetoken.ops.attention import paged_attention, paged_attention_available
 from freetoken.ops.backend import (
     BACKENDS,
+    COMPUTE_MODES,
     CPU_ISAS,
     LINEAR_MODES,
     OpsConfig,
@@ -38,6 +40,14 @@ from freetoken.ops.gguf import (
     gguf_row_bytes,
     is_gguf_matrix,
 )
+from freetoken.ops.int8 import (
+    int8_matrix,
+    int8_matrix_available,
+    int8_matrix_unpack,
+    int8_quantize_rows,
+    int8_vnni_available,
+    is_int8_matrix,
+)
 from freetoken.ops.linear import (
     GGUF_PANEL_TYPES,
     gguf_panel_type,
@@ -51,11 +61,14 @@ from freetoken.ops.sampling import gumbel_noise, sample_tokens
 from freetoken.ops.topk import MAX_K, topk_logprobs
 
 __all__ = [
-    "BACKENDS", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K", "OpsConfig",
+    "BACKENDS", "COMPUTE_MODES", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K",
+    "OpsConfig",
     "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
     "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
     "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_row_bytes",
-    "gguf_panel_type", "gumbel_noise", "is_gguf_matrix", "pack_gguf_panels", "pack_panels",
+    "gguf_panel_type", "gumbel_noise", "int8_matrix", "int8_matrix_available",
+    "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available", "is_gguf_matrix",
+    "is_int8_matrix", "pack_gguf_panels", "pack_panels",
     "paged_attention",
     "paged_attention_available", "panel_linear", "panel_linear_available", "panel_shape",
     "rms_norm", "rope_", "sample_tokens", "silu_mul", "topk_logprobs",

@@ -1,7 +1,7 @@
 """Loading freetoken._C (once, here only), the backend choice per device, and configure(): the
 ops' one process-wide configuration.
 
-    configure(backend="auto", linear="auto", cpu_isa="auto", pool_poll_us=None)
+    configure(backend="auto", linear="auto", cpu_isa="auto", pool_poll_us=None, compute="exact")
     config() -> OpsConfig;  backend() / backend_for(device) -> "ext-cpu" | "ext-cuda" | "torch"
 
 backend: auto (the extension where it supports the device, else the torch twin) | ext (the
@@ -9,6 +9,10 @@ extension or an error) | torch (always the twin). linear: the model's linear for
 freetoken/model/linear.py): auto | gguf (a GGUF's weights in place, whatever its size) |
 panels (no GGUF blocks) | onednn (no panels) | torch (F.linear). cpu_isa: auto (cpuid) | avx512
 | avx2 | base, the CPU kernels' variant.
+compute: how a GGUF's quantized linears compute: exact (each weight its exact dequantized fp32
+value, fp32 FMAs) | int8 (x quantized to int8 per block of 32, integer dot products with the
+weights' codes: faster, not exact; freetoken/ops/int8.py). Attention, norms and the sampler are
+fp32 in both.
 pool_poll_us: how long the kernels' thread pool polls between calls before it sleeps (None: 200;
 0: sleep at once; csrc/common/task_pool.h). Nothing here reads the environment: the CLI (or a
 script's flags) decides and calls configure, before the model loads (packing follows `linear`).
@@ -32,7 +36,8 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "silu_mul", "rope_", "cuda_compiled", "cpu_isa", "set_cpu_isa", "set_pool_poll_us",
               "panel_pack", "gguf_pack", "gguf_matrix", "gguf_matrix_types", "is_gguf_matrix",
               "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
-              "gguf_dequantize_types")
+              "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
+              "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available")
 
 try:
     from freetoken import _C  # noqa: N813
@@ -51,6 +56,7 @@ if _C is not None:
 BACKENDS = ("auto", "ext", "torch")
 LINEAR_MODES = ("auto", "gguf", "panels", "onednn", "torch")
 CPU_ISAS = ("auto", "avx512", "avx2", "base")
+COMPUTE_MODES = ("exact", "int8")
 DEFAULT_POOL_POLL_US = 200
 
 
@@ -62,6 +68,7 @@ class OpsConfig:
     linear: str = "auto"
     cpu_isa: str = "auto"
     pool_poll_us: int = DEFAULT_POOL_POLL_US
+    compute: str = "exact"
 
 
 _config = OpsConfig()
@@ -74,7 +81,7 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
 
 
 def configure(backend: str = "auto", linear: str = "auto", cpu_isa: str = "auto",
-              pool_poll_us: int | None = None) -> None:
+              pool_poll_us: int | None = None, compute: str = "exact") -> None:
     """Sets the whole ops configuration (every argument; see the module docstring). Raises
     ValueError naming a bad value (or a cpu_isa this CPU or build lacks), ImportError for
     backend="ext" without the extension; nothing changes when it raises."""
@@ -82,6 +89,7 @@ def configure(backend: str = "auto", linear: str = "auto", cpu_isa: str = "auto"
     _choice("backend", backend, BACKENDS)
     _choice("linear", linear, LINEAR_MODES)
     _choice("cpu_isa", cpu_isa, CPU_ISAS)
+    _choice("compute", compute, COMPUTE_MODES)
     if pool_poll_us is None:
         pool_poll_us = DEFAULT_POOL_POLL_US
     if isinstance(pool_poll_us, bool) or not isinstance(pool_poll_us, int) or pool_poll_us < 0:
@@ -95,7 +103,9 @@ def configure(backend: str = "auto", linear: str = "auto", cpu_isa: str = "auto"
             raise ValueError(f"cpu_isa {cpu_isa!r} is not available on this CPU or build "
                              f"(here: {', '.join(available_cpu_isas())})") from None
         _C.set_pool_poll_us(pool_poll_us)
-    _config = OpsConfig(backend, linear, cpu_isa, pool_poll_us)
+    if compute == "int8" and (backend == "torch" or _C is None):
+        raise ValueError("compute='int8' needs freetoken._C (the int8 kernels have no torch twin)")
+    _config = OpsConfig(backend, linear, cpu_isa, pool_poll_us, compute)
     _backend_for_type.cache_clear()
     _log_choice.cache_clear()
 

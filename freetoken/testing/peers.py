@@ -54,6 +54,8 @@ def systems_for(threads: int) -> list[System]:
         System("freetoken-fp32", "freetoken", "freetoken-fp32", (), PASSIVE),
         System("freetoken-bf16", "freetoken", "freetoken-bf16", ("--dtype", "bfloat16"),
                PASSIVE),
+        # the int8 compute mode (issue 24): x quantized to int8, integer dot products
+        System("freetoken-int8", "freetoken", "freetoken-int8", ("--compute", "int8"), PASSIVE),
         System("llama-server-t1", "llama-server", "llama-server", ("-t", "1", "-tb", "1")),
         System(f"llama-server-t{t}", "llama-server", "llama-server", ("-t", t, "-tb", t)),
         # shown, never the table's figure: PASSIVE turns each of ggml's per-node OpenMP

@@ -1,0 +1,673 @@
+// The int8 compute mode's linear (issue 24): y = x @ W^T (+ bias), where x is quantized to int8 per
+// block of 32 values with an fp32 scale (as llama.cpp's Q8_0) and W keeps its GGUF integer codes,
+// so each group of 32 (16 for Q6_K) weights times x is one exact integer dot product, scaled in
+// fp32. Not exact: x loses its low bits (the exact mode is gguf_linear.cpp).
+//
+// The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
+// u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
+// (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32, else 0) is repacked at load, 16 outputs at a time, so that
+// one 64-byte vector holds 4 consecutive codes of each of the 16 outputs: VNNI's vpdpbusd then
+// adds 4 products per output lane, and the 16 lanes are 16 outputs (no horizontal sums). a and b
+// are the exact fp32 values of the dequantization (gguf_blocks.h), so a * (u - c) + b is each
+// dequantized weight bit for bit (tested). 4-bit codes stay two a byte. The repacked copy is the
+// one copy in use (the file's pages are only read while packing).
+//
+// The arithmetic, for row m, output n, in increasing group order g (integer sums exact, then
+// fp32 without FMA contraction, so a NumPy reference reproduces it bit for bit, and no input but
+// the row itself changes it: the same bits for any row count, rows beside it, thread count or ISA):
+//   P   = sum_{k in g} u[n, k] * q[m, k] - c * S            (int32; S = sum_{k in g} q[m, k])
+//   acc = acc + float(P) * (a[n, g] * d[m, k / 32])
+//   acc = acc + b[n, g] * (d[m, k / 32] * float(S))         (formats with a min only)
+// where q[m, k] = rint(x[m, k] * (127 / amax)) and d = amax / 127 over x's block of 32.
+#include "linear/int8_linear.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "common/isa.h"
+#include "common/task_pool.h"
+#include "linear/gguf_blocks.h"
+#include "linear/panel_common.h"
+
+namespace freetoken {
+
+namespace {
+
+namespace gb = gguf_blocks;
+
+constexpr int32_t kMagic = 0x38544e49;  // "INT8"
+constexpr int32_t kVersion = 1;
+constexpr int kPanel = 16;              // outputs per panel (one vector of int32 lanes)
+constexpr int64_t kHeaderBytes = 64;
+constexpr int kXBlock = 32;             // x's quantization block
+
+// How a panel's groups are stored: code width (4-bit two a byte, or one byte), group size, and
+// whether a per-group b follows a.
+enum Kind : int32_t { kNib32, kNib32Min, kU8x32, kU8x32Min, kU8x16 };
+struct KindInfo {
+  int group;
+  bool nib, min;
+};
+constexpr KindInfo kKinds[] = {
+    {32, true, false}, {32, true, true}, {32, false, false}, {32, false, true}, {16, false, false}};
+
+constexpr int64_t group_bytes(int kind) {
+  return (kKinds[kind].nib ? 8 : 16) * kKinds[kind].group + 64 + (kKinds[kind].min ? 64 : 0);
+}
+
+// A format: its block, its kind and offset c, and the split of one block into codes u and each
+// group's a (and b).
+using SplitFn = void (*)(const uint8_t* blk, uint8_t* u, float* a, float* b);
+
+FT_INLINE void split_q8_0(const uint8_t* p, uint8_t* u, float* a, float*) {
+  a[0] = gb::half_to_float(p);
+  for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>(static_cast<int8_t>(p[2 + l]) + 128);
+}
+FT_INLINE void split_q4_0(const uint8_t* p, uint8_t* u, float* a, float*) {
+  a[0] = gb::half_to_float(p);
+  for (int l = 0; l < 16; ++l) {
+    u[l] = p[2 + l] & 15;
+    u[16 + l] = p[2 + l] >> 4;
+  }
+}
+FT_INLINE void split_q4_1(const uint8_t* p, uint8_t* u, float* a, float* b) {
+  a[0] = gb::half_to_float(p);
+  b[0] = gb::half_to_float(p + 2);
+  for (int l = 0; l < 16; ++l) {
+    u[l] = p[4 + l] & 15;
+    u[16 + l] = p[4 + l] >> 4;
+  }
+}
+FT_INLINE void five_bit_codes(const uint8_t* qs, uint32_t qh, uint8_t* u) {
+  for (int l = 0; l < 16; ++l) {
+    u[l] = static_cast<uint8_t>((qs[l] & 15) | (((qh >> l) & 1u) << 4));
+    u[16 + l] = static_cast<uint8_t>((qs[l] >> 4) | (((qh >> (16 + l)) & 1u) << 4));
+  }
+}
+FT_INLINE void split_q5_0(const uint8_t* p, uint8_t* u, float* a, float*) {
+  a[0] = gb::half_to_float(p);
+  uint32_t qh;
+  std::memcpy(&qh, p + 2, 4);
+  five_bit_codes(p + 6, qh, u);
+}
+FT_INLINE void split_q5_1(const uint8_t* p, uint8_t* u, float* a, float* b) {
+  a[0] = gb::half_to_float(p);
+  b[0] = gb::half_to_float(p + 2);
+  uint32_t qh;
+  std::memcpy(&qh, p + 4, 4);
+  five_bit_codes(p + 8, qh, u);
+}
+FT_INLINE void split_q4_k(const uint8_t* p, uint8_t* u, float* a, float* b) {
+  const float d = gb::half_to_float(p), dmin = gb::half_to_float(p + 2);
+  for (int g = 0; g < 8; ++g) {
+    int sc, mn;
+    gb::scale_min_k4(p + 4, g, &sc, &mn);
+    a[g] = d * static_cast<float>(sc);
+    b[g] = -(dmin * static_cast<float>(mn));
+    const uint8_t* q = p + 16 + (g >> 1) * 32;
+    for (int l = 0; l < 32; ++l) u[g * 32 + l] = (q[l] >> (4 * (g & 1))) & 15;
+  }
+}
+FT_INLINE void split_q5_k(const uint8_t* p, uint8_t* u, float* a, float* b) {
+  const float d = gb::half_to_float(p), dmin = gb::half_to_float(p + 2);
+  const uint8_t* qh = p + 16;
+  for (int g = 0; g < 8; ++g) {
+    int sc, mn;
+    gb::scale_min_k4(p + 4, g, &sc, &mn);
+    a[g] = d * static_cast<float>(sc);
+    b[g] = -(dmin * static_cast<float>(mn));
+    const uint8_t* q = p + 48 + (g >> 1) * 32;
+    for (int l = 0; l < 32; ++l)
+      u[g * 32 + l] = static_cast<uint8_t>(((q[l] >> (4 * (g & 1))) & 15) | (((qh[l] >> g) & 1) << 4));
+  }
+}
+FT_INLINE void split_q6_k(const uint8_t* p, uint8_t* u, float* a, float*) {
+  const float d = gb::half_to_float(p + 208);
+  for (int g = 0; g < 16; ++g) a[g] = d * static_cast<float>(static_cast<int8_t>(p[192 + g]));
+  for (int f = 0; f < 256; ++f) {
+    const int h = f >> 7, r = f & 127;
+    const int lo = (p[h * 64 + (r & 63)] >> (4 * (r >> 6))) & 15;
+    const int hi = (p[128 + h * 32 + (r & 31)] >> (2 * (r >> 5))) & 3;
+    u[f] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+struct Format {
+  const char* name;
+  int values, bytes;  // per block
+  Kind kind;
+  int32_t c;
+  SplitFn split;
+};
+constexpr Format kFormats[] = {
+    {"Q8_0", 32, 34, kU8x32, 128, &split_q8_0},   {"Q4_0", 32, 18, kNib32, 8, &split_q4_0},
+    {"Q4_1", 32, 20, kNib32Min, 0, &split_q4_1},  {"Q5_0", 32, 22, kU8x32, 16, &split_q5_0},
+    {"Q5_1", 32, 24, kU8x32Min, 0, &split_q5_1},  {"Q4_K", 256, 144, kNib32Min, 0, &split_q4_k},
+    {"Q5_K", 256, 176, kU8x32Min, 0, &split_q5_k}, {"Q6_K", 256, 210, kU8x16, 32, &split_q6_k},
+};
+constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
+
+// --- the packed matrix ---------------------------------------------------------------------------
+// Header (int32 words): magic, version, N, K, number of panels P, 0...; then per panel a
+// PanelInfo; then each panel's groups (64-byte aligned): codes, a[16], b[16] (min kinds only).
+// Codes of a byte-code group: G / 4 vectors, vector s byte 4 o + j = u[o, k0 + 4 s + j]. Of a
+// 4-bit group (G = 32): 4 vectors, vector t byte 4 o + j = u[o, k0 + 4 t + j] in the low nibble
+// and u[o, k0 + 16 + 4 t + j] in the high one. Outputs past n1 are zeros.
+struct PanelInfo {
+  int32_t kind, n0, n1, c;
+  int64_t offset;  // bytes from the tensor's start
+};
+
+struct Matrix {
+  int64_t N, K, P;
+  const PanelInfo* panels;
+  const uint8_t* base;
+};
+
+Matrix read_matrix(const at::Tensor& w, const char* op) {
+  TORCH_CHECK_VALUE(is_int8_matrix(w), op, ": not an int8 matrix (int8_matrix)");
+  const auto* h = reinterpret_cast<const int32_t*>(w.data_ptr());
+  TORCH_CHECK_VALUE(h[1] == kVersion, op, ": int8 matrix version ", h[1], ", expected ", kVersion);
+  const auto* base = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  return {h[2], h[3], h[4], reinterpret_cast<const PanelInfo*>(base + kHeaderBytes), base};
+}
+
+// --- x, quantized --------------------------------------------------------------------------------
+
+struct Acts {
+  const int8_t* q;    // [M, K]
+  const float* d;     // [M, K / 32]
+  const int32_t* s16; // [M, K / 16]: sums of q over 16
+  const float* xs32;  // [M, K / 32]: d * float(sum of q over 32)
+  int64_t K;
+};
+
+// One row's block of 32: q = rint(x * (127 / amax)), d = amax / 127 (a non-finite amax gives a
+// NaN d, so the row's outputs are NaN rather than garbage).
+FT_INLINE void quantize_block(const float* x, int8_t* q, float* d, int32_t* s16, float* xs32) {
+  float amax = 0.f;
+  for (int i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  if (!std::isfinite(amax)) {
+    std::memset(q, 0, kXBlock);
+    *d = std::nanf("");
+    s16[0] = s16[1] = 0;
+    *xs32 = *d;
+    return;
+  }
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s[2] = {0, 0};
+  for (int i = 0; i < kXBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));
+    q[i] = static_cast<int8_t>(v);
+    s[i >> 4] += v;
+  }
+  *d = amax / 127.f;
+  s16[0] = s[0];
+  s16[1] = s[1];
+  *xs32 = *d * static_cast<float>(s[0] + s[1]);
+}
+
+struct ActStore {
+  at::Tensor q, d, s16, xs32;
+  Acts view() const {
+    return {q.data_ptr<int8_t>(), d.data_ptr<float>(), s16.data_ptr<int32_t>(),
+            xs32.data_ptr<float>(), q.size(1)};
+  }
+};
+
+ActStore quantize(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / kXBlock;
+  ActStore s{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, B}, x.options()),
+             at::empty({M, 2 * B}, x.options().dtype(at::kInt)), at::empty({M, B}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* q = s.q.data_ptr<int8_t>();
+  float* d = s.d.data_ptr<float>();
+  int32_t* s16 = s.s16.data_ptr<int32_t>();
+  float* xs = s.xs32.data_ptr<float>();
+  // ~1 ns a value on one thread: worth the pool from a few thousand blocks (a prefill step).
+  const int64_t nblocks = M * B;
+  const int nthreads = nblocks < 4096 ? 1 : at::get_num_threads();
+  const int64_t n = nthreads == 1 ? 1 : 4 * nthreads;
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
+    for (int64_t i = nblocks * t / n; i < nblocks * (t + 1) / n; ++i)
+      quantize_block(xp + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+  });
+  return s;
+}
+
+// fp32 products kept apart from the adds that follow (the file builds with -ffp-contract=fast):
+// the arithmetic above, not an FMA of it.
+FT_INLINE float no_contract(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#else
+  volatile float kept = v;
+  v = kept;
+#endif
+  return v;
+}
+
+// --- the portable kernel (the reference order; also the baseline and AVX2 variants) ------------
+
+void panel_portable(const uint8_t* data, const PanelInfo& pi, int64_t ngroups, const Acts& x,
+                    int64_t M, float* y, int64_t N, const float* bias) {
+  const KindInfo& ki = kKinds[pi.kind];
+  const int G = ki.group;
+  const int64_t gb = group_bytes(pi.kind);
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kPanel] = {};
+    const int8_t* xq = x.q + m * x.K;
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const uint8_t* codes = data + g * gb;
+      const float* a = reinterpret_cast<const float*>(codes + (ki.nib ? 8 : 16) * G);
+      const float* b = a + kPanel;
+      const int64_t k0 = g * G;
+      int32_t S = 0;
+      for (int i = 0; i < G / 16; ++i) S += x.s16[m * (x.K / 16) + k0 / 16 + i];
+      const float d = x.d[m * (x.K / kXBlock) + k0 / kXBlock];
+      for (int o = 0; o < kPanel; ++o) {
+        int32_t P = -pi.c * S;
+        for (int k = 0; k < G; ++k) {
+          int u;
+          if (ki.nib) {
+            const int t = (k & 15) >> 2, j = k & 3;
+            const uint8_t byte = codes[64 * t + 4 * o + j];
+            u = k < 16 ? byte & 15 : byte >> 4;
+          } else {
+            u = codes[64 * (k >> 2) + 4 * o + (k & 3)];
+          }
+          P += u * xq[k0 + k];
+        }
+        const float t = no_contract(a[o] * d);
+        acc[o] = acc[o] + no_contract(static_cast<float>(P) * t);
+        if (ki.min) acc[o] = acc[o] + no_contract(b[o] * x.xs32[m * (x.K / kXBlock) + k0 / kXBlock]);
+      }
+    }
+    for (int o = 0; o < pi.n1 - pi.n0; ++o)
+      y[m * N + pi.n0 + o] = acc[o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+// --- the VNNI kernel -----------------------------------------------------------------------------
+#if FT_HAS_ISA_VARIANTS
+#define FT_TARGET_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+FT_TARGET_VNNI FT_INLINE __m512 no_contract512(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// acc += codes . (the 4 int8 at p, broadcast to every lane): one vpdpbusd with its broadcast
+// folded into the load (GCC emits a separate vpbroadcastd for the intrinsic form).
+FT_TARGET_VNNI FT_INLINE __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Rows [m0, m0 + MR) against one panel over all of K.
+template <int MR, int KIND>
+FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, int64_t ngroups,
+                                              const Acts& x, int64_t m0, float* acc_out) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int G = ki.group;
+  constexpr int64_t gbytes = group_bytes(KIND);
+  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const uint8_t* codes = data + g * gbytes;
+    const int64_t k0 = g * G;
+    // NOTE: the panel streams from DRAM once a step; ask for the group kPrefetchBytes ahead.
+    for (int64_t l = 0; l < gbytes; l += 64) __builtin_prefetch(codes + kPrefetchBytes + l, 0, 3);
+    __m512i P[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      if constexpr (ki.min) {
+        P[m] = _mm512_setzero_si512();
+      } else {
+        const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
+        const int32_t S = G == 32 ? s[0] + s[1] : s[0];
+        P[m] = _mm512_set1_epi32(-c * S);
+      }
+    }
+    if constexpr (ki.nib) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_load_si512(codes + 64 * t);
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xq = x.q + (m0 + m) * x.K + k0;
+          P[m] = dot4(P[m], lo, xq + 4 * t);
+          P[m] = dot4(P[m], hi, xq + 16 + 4 * t);
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int s = 0; s < G / 4; ++s) {
+        const __m512i v = _mm512_load_si512(codes + 64 * s);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m)
+          P[m] = dot4(P[m], v, x.q + (m0 + m) * x.K + k0 + 4 * s);
+      }
+    }
+    const float* ab = reinterpret_cast<const float*>(codes + (ki.nib ? 8 : 16) * G);
+    const __m512 a = _mm512_load_ps(ab);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
+      const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
+      acc[m] = _mm512_add_ps(acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, P[m]), t)));
+      if constexpr (ki.min) {
+        const __m512 b = _mm512_load_ps(ab + kPanel);
+        acc[m] = _mm512_add_ps(acc[m],
+                               no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, acc[m]);
+}
+
+constexpr int kVnniRows = 8;  // rows a register tile: 8 int32 sums + 8 fp32 accumulators
+
+template <int KIND, int MR>
+FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t c,
+                                            int64_t ngroups, const Acts& x, int64_t m0,
+                                            float* acc) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return rows_dispatch<KIND, MR - 1>(mr, data, c, ngroups, x, m0, acc);
+  }
+  panel_rows_vnni<MR, KIND>(data, c, ngroups, x, m0, acc);
+}
+
+template <int KIND>
+FT_TARGET_VNNI void panel_vnni(const uint8_t* data, const PanelInfo& pi, int64_t ngroups,
+                               const Acts& x, int64_t M, float* y, int64_t N, const float* bias) {
+  alignas(64) float acc[kVnniRows * kPanel];
+  const int nv = pi.n1 - pi.n0;
+  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
+    rows_dispatch<KIND, kVnniRows>(mr, data, pi.c, ngroups, x, m0, acc);
+    for (int m = 0; m < mr; ++m)
+      for (int o = 0; o < nv; ++o)
+        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, int64_t ngroups,
+                                   const Acts& x, int64_t M, float* y, int64_t N,
+                                   const float* bias) {
+  switch (pi.kind) {
+    case kNib32: return panel_vnni<kNib32>(data, pi, ngroups, x, M, y, N, bias);
+    case kNib32Min: return panel_vnni<kNib32Min>(data, pi, ngroups, x, M, y, N, bias);
+    case kU8x32: return panel_vnni<kU8x32>(data, pi, ngroups, x, M, y, N, bias);
+    case kU8x32Min: return panel_vnni<kU8x32Min>(data, pi, ngroups, x, M, y, N, bias);
+    default: return panel_vnni<kU8x16>(data, pi, ngroups, x, M, y, N, bias);
+  }
+}
+// The machine's int8 bound: 12 independent vpdpbusd chains on registers (64 products each).
+FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
+  __m512i acc[12];
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  for (int64_t it = 0; it < iters; ++it) {
+    for (int i = 0; i < 12; ++i) {
+      acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+      asm volatile("" : "+v"(acc[i]));
+    }
+  }
+  __m512i sum = acc[0];
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_epi32(sum, acc[i]);
+  return _mm512_reduce_add_epi32(sum);
+}
+#endif
+
+bool cpu_has_vnni() {
+#if FT_HAS_ISA_VARIANTS
+  static const bool has = __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool use_vnni() { return cpu_has_vnni() && current_isa() == Isa::kAvx512; }
+
+int format_id(const std::string& name) {
+  for (int f = 0; f < kNumFormats; ++f)
+    if (name == kFormats[f].name) return f;
+  return -1;
+}
+
+// One panel's groups from the rows n0..n1 of format f.
+void fill_panel(const Format& f, const uint8_t* const* rows, int n0, int n1, int64_t K,
+                uint8_t* out) {
+  const KindInfo& ki = kKinds[f.kind];
+  const int G = ki.group;
+  const int64_t gb = group_bytes(f.kind), nblocks = K / f.values, gpb = f.values / G;
+  std::vector<uint8_t> u(f.values);
+  std::vector<float> a(f.values / 16), b(f.values / 16);
+  for (int o = 0; o < n1 - n0; ++o) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      std::fill(b.begin(), b.end(), 0.f);
+      f.split(rows[n0 + o] + blk * f.bytes, u.data(), a.data(), b.data());
+      for (int gi = 0; gi < gpb; ++gi) {
+        uint8_t* grp = out + (blk * gpb + gi) * gb;
+        const uint8_t* uc = u.data() + gi * G;
+        for (int k = 0; k < G; ++k) {
+          if (ki.nib) {
+            uint8_t& byte = grp[64 * ((k & 15) >> 2) + 4 * o + (k & 3)];
+            byte |= k < 16 ? uc[k] : static_cast<uint8_t>(uc[k] << 4);
+          } else {
+            grp[64 * (k >> 2) + 4 * o + (k & 3)] = uc[k];
+          }
+        }
+        float* ab = reinterpret_cast<float*>(grp + (ki.nib ? 8 : 16) * G);
+        ab[o] = a[gi];
+        if (ki.min) ab[kPanel + o] = b[gi];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> int8_matrix_types() {
+  std::vector<std::string> out;
+  for (const Format& f : kFormats) out.emplace_back(f.name);
+  return out;
+}
+
+bool int8_vnni_available() { return cpu_has_vnni(); }
+
+bool is_int8_matrix(const at::Tensor& weight) {
+  if (!weight.defined() || !weight.device().is_cpu() || weight.scalar_type() != at::kByte ||
+      weight.dim() != 1 || weight.numel() < kHeaderBytes)
+    return false;
+  int32_t magic;
+  std::memcpy(&magic, weight.data_ptr(), 4);
+  return magic == kMagic;
+}
+
+std::vector<int64_t> int8_matrix_shape(const at::Tensor& weight) {
+  const Matrix m = read_matrix(weight, "int8_matrix_shape");
+  return {m.N, m.K};
+}
+
+at::Tensor int8_matrix_pack(const at::Tensor& base, const at::Tensor& row_offsets,
+                            const std::vector<std::string>& types,
+                            const std::vector<int64_t>& ends, int64_t K) {
+  TORCH_CHECK_VALUE(base.device().is_cpu() && base.scalar_type() == at::kByte && base.dim() == 1,
+                    "int8_matrix: base must be a 1-D uint8 CPU tensor (the file's mapping)");
+  TORCH_CHECK_VALUE(row_offsets.device().is_cpu() && row_offsets.scalar_type() == at::kLong &&
+                        row_offsets.dim() == 1 && row_offsets.numel() >= 1,
+                    "int8_matrix: row_offsets must be a 1-D int64 CPU tensor [N >= 1]");
+  const int64_t N = row_offsets.numel();
+  TORCH_CHECK_VALUE(!types.empty() && types.size() == ends.size() && ends.back() == N,
+                    "int8_matrix: types and ends are one per segment, the last end N = ", N);
+  TORCH_CHECK_VALUE(K >= 32 && K <= INT32_MAX && N <= INT32_MAX, "int8_matrix: bad K ", K);
+  const at::Tensor off = row_offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const uint8_t* b = base.data_ptr<uint8_t>();
+  std::vector<const uint8_t*> rows(N);
+  std::vector<PanelInfo> panels;
+  std::vector<int> panel_format;
+  int64_t start = 0, bytes = kHeaderBytes;
+  for (size_t s = 0; s < types.size(); ++s) {
+    const int f = format_id(types[s]);
+    TORCH_CHECK_VALUE(f >= 0, "int8_matrix: no int8 kernel for GGUF type ", types[s]);
+    const Format& fmt = kFormats[f];
+    TORCH_CHECK_VALUE(K % fmt.values == 0, "int8_matrix: a ", types[s], " row holds a multiple ",
+                      "of ", fmt.values, " weights, not ", K);
+    TORCH_CHECK_VALUE(ends[s] > start && ends[s] <= N, "int8_matrix: segment ends must rise");
+    const int64_t row_bytes = K / fmt.values * fmt.bytes;
+    for (int64_t n = start; n < ends[s]; ++n) {
+      TORCH_CHECK_VALUE(o[n] >= 0 && o[n] + row_bytes <= base.numel(), "int8_matrix: row ", n,
+                        " at byte ", o[n], " (", row_bytes, " bytes) lies outside base (",
+                        base.numel(), " bytes)");
+      rows[n] = b + o[n];
+    }
+    for (int64_t n = start; n < ends[s]; n += kPanel) {
+      panels.push_back({fmt.kind, static_cast<int32_t>(n),
+                        static_cast<int32_t>(std::min<int64_t>(ends[s], n + kPanel)), fmt.c, 0});
+      panel_format.push_back(f);
+    }
+    start = ends[s];
+  }
+  const int64_t P = static_cast<int64_t>(panels.size());
+  bytes += (P * static_cast<int64_t>(sizeof(PanelInfo)) + 63) / 64 * 64;
+  for (PanelInfo& pi : panels) {
+    pi.offset = bytes;
+    bytes += K / kKinds[pi.kind].group * group_bytes(pi.kind);
+  }
+  at::Tensor out = at::zeros({bytes}, base.options());
+  uint8_t* p = out.data_ptr<uint8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0, "int8_matrix: unaligned allocation");
+  const int32_t h[5] = {kMagic, kVersion, static_cast<int32_t>(N), static_cast<int32_t>(K),
+                        static_cast<int32_t>(P)};
+  std::memcpy(p, h, sizeof h);
+  std::memcpy(p + kHeaderBytes, panels.data(), P * sizeof(PanelInfo));
+  TaskPool::get().run(P, at::get_num_threads(), [&](int64_t i) {
+    const PanelInfo& pi = panels[i];
+    fill_panel(kFormats[panel_format[i]], rows.data(), pi.n0, pi.n1, K, p + pi.offset);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_unpack(
+    const at::Tensor& weight) {
+  const Matrix mat = read_matrix(weight, "int8_matrix_unpack");
+  const int64_t N = mat.N, K = mat.K;
+  at::Tensor u = at::empty({N, K}, weight.options());
+  at::Tensor a = at::empty({N, K / 16}, weight.options().dtype(at::kFloat));
+  at::Tensor b = at::zeros({N, K / 16}, weight.options().dtype(at::kFloat));
+  at::Tensor c = at::empty({N}, weight.options().dtype(at::kInt));
+  for (int64_t p = 0; p < mat.P; ++p) {
+    const PanelInfo& pi = mat.panels[p];
+    const KindInfo& ki = kKinds[pi.kind];
+    const int G = ki.group;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const uint8_t* codes = mat.base + pi.offset + g * group_bytes(pi.kind);
+      const float* ab = reinterpret_cast<const float*>(codes + (ki.nib ? 8 : 16) * G);
+      for (int o = 0; o < pi.n1 - pi.n0; ++o) {
+        const int64_t n = pi.n0 + o;
+        for (int k = 0; k < G; ++k) {
+          int v;
+          if (ki.nib) {
+            const uint8_t byte = codes[64 * ((k & 15) >> 2) + 4 * o + (k & 3)];
+            v = k < 16 ? byte & 15 : byte >> 4;
+          } else {
+            v = codes[64 * (k >> 2) + 4 * o + (k & 3)];
+          }
+          u.data_ptr<uint8_t>()[n * K + g * G + k] = static_cast<uint8_t>(v);
+        }
+        for (int i = 0; i < G / 16; ++i) {
+          a.data_ptr<float>()[n * (K / 16) + g * G / 16 + i] = ab[o];
+          if (ki.min) b.data_ptr<float>()[n * (K / 16) + g * G / 16 + i] = ab[kPanel + o];
+        }
+        c.data_ptr<int32_t>()[n] = pi.c;
+      }
+    }
+  }
+  return {u, a, b, c};
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                        x.is_contiguous() && x.size(1) % kXBlock == 0,
+                    "int8_quantize_rows: x must be a contiguous [M, K] fp32 CPU tensor, K a "
+                    "multiple of 32");
+  ActStore s = quantize(x);
+  return {s.q, s.d};
+}
+
+at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias) {
+  const Matrix mat = read_matrix(weight, "int8_linear");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                        x.is_contiguous(),
+                    "int8_linear: x must be a contiguous 2-D fp32 CPU tensor [M, K]");
+  TORCH_CHECK_VALUE(x.size(1) == mat.K, "int8_linear: x has K = ", x.size(1),
+                    ", the weight has K = ", mat.K);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                          bias->dim() == 1 && bias->size(0) == mat.N && bias->is_contiguous(),
+                      "int8_linear: bias must be a contiguous fp32 CPU tensor [", mat.N, "]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, mat.N}, x.options());
+  if (M == 0) return y;
+  const ActStore store = quantize(x);
+  const Acts acts = store.view();
+  float* yp = y.data_ptr<float>();
+  const bool vnni = use_vnni();
+  const auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const PanelInfo& pi = mat.panels[p];
+      const int64_t ngroups = mat.K / kKinds[pi.kind].group;
+#if FT_HAS_ISA_VARIANTS
+      if (vnni) {
+        run_panel_vnni(mat.base + pi.offset, pi, ngroups, acts, M, yp, mat.N, b);
+        continue;
+      }
+#endif
+      panel_portable(mat.base + pi.offset, pi, ngroups, acts, M, yp, mat.N, b);
+    }
+  };
+  // One thread's time, roughly: ~1 byte a weight at ~20 GB/s, or ~300 G int8 products/s.
+  const double est_ns = std::max(static_cast<double>(mat.N) * mat.K / 20.0,
+                                 static_cast<double>(M) * mat.N * mat.K / 300.0);
+  const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
+  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, mat.P);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) { run(mat.P * t / n, mat.P * (t + 1) / n); });
+  return y;
+}
+
+double int8_peak_gops(int64_t iters, int64_t threads) {
+  TORCH_CHECK_VALUE(cpu_has_vnni(), "int8_peak_gops: this CPU has no AVX512-VNNI");
+#if FT_HAS_ISA_VARIANTS
+  std::atomic<int32_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  TaskPool::get().run(threads, static_cast<int>(threads),
+                      [&](int64_t) { sink += vnni_chains(iters); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * 64 * 12 * static_cast<double>(iters) * threads / s / 1e9;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace freetoken

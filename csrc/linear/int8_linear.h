@@ -1,0 +1,50 @@
+// The int8 compute mode's linear (int8_linear.cpp): y = x @ W^T (+ bias) with x quantized to int8
+// per block of 32 and W's integer codes, integer dot products (AVX512-VNNI where present), fp32
+// scales per group. Declarations for bindings.cpp and the panel linear's dispatch (linear_cpu.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace freetoken {
+
+// W [N, K] as the rows of a GGUF file (the arguments of gguf_matrix_pack) -> the int8 matrix: the
+// codes and scales repacked 16 outputs at a time (a 1-D uint8 tensor that owns them; base is
+// only read here).
+at::Tensor int8_matrix_pack(const at::Tensor& base, const at::Tensor& row_offsets,
+                            const std::vector<std::string>& types,
+                            const std::vector<int64_t>& ends, int64_t K);
+
+// The GGUF types int8_matrix_pack takes.
+std::vector<std::string> int8_matrix_types();
+
+// True when `weight` is an int8 matrix from int8_matrix_pack.
+bool is_int8_matrix(const at::Tensor& weight);
+
+// {N, K} of an int8 matrix (checked).
+std::vector<int64_t> int8_matrix_shape(const at::Tensor& weight);
+
+// The repacked matrix back as arrays (for tests): codes u [N, K] uint8, scales a [N, K / 16] and
+// offsets b [N, K / 16] fp32 (one per 16 weights: a group of 32 repeats its pair), and the
+// integer code offset c [N] int32. Each weight is a * (u - c) + b, exactly the dequantized value.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_unpack(
+    const at::Tensor& weight);
+
+// x [M, K] fp32 -> its int8 codes [M, K] and scales [M, K / 32] (the activation quantization).
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);
+
+// x [M, K] fp32 contiguous, bias [N] fp32 or none -> y [M, N] fp32.
+at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias);
+
+// True when this CPU runs the VNNI kernel (else the portable one: the same results).
+bool int8_vnni_available();
+
+// The int8 compute bound: giga int8 operations (2 a product) a second of `threads` threads each
+// running `iters` rounds of 12 independent vpdpbusd on registers (benchmarks; needs VNNI).
+double int8_peak_gops(int64_t iters, int64_t threads);
+
+}  // namespace freetoken

@@ -1,0 +1,198 @@
+"""ops.int8_matrix + ops.panel_linear (csrc/linear/int8_linear.cpp): the int8 compute mode.
+Held to a NumPy reference of the same arithmetic, bit for bit (integer sums are exact, and the fp32
+steps are written out in their order), for every format it takes, on every ISA variant (VNNI or
+the portable loop), at odd sizes:
+  * the repacked codes and scales give each weight's dequantized value exactly: a * (u - c) + b;
+  * x's quantization: per block of 32, d = amax / 127 and q = rint(x * (127 / amax));
+  * y = the reference's bits, whatever the row count, the rows beside a row, or the threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_gguf_linear import block_of, matrix, random_rows
+
+import freetoken.ops as ops
+
+pytestmark = pytest.mark.skipif(not ops.int8_matrix_available("Q4_K"),
+                                reason="needs freetoken._C")
+
+INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GROUP = {"Q6_K": 16}  # weights a scale; 32 for the rest
+MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = a * u + b; the rest a * (u - c)
+
+
+def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] fp32 -> (q int32 [M, K], d fp32 [M, K / 32]), in fp32 as the kernel does."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int32)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+
+
+def linear_ref(x: np.ndarray, u: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+               type_: str) -> np.ndarray:
+    """The int8 linear's arithmetic (int8_linear.cpp's module comment), group by group."""
+    q, d = quantize_ref(x)
+    g_size = GROUP.get(type_, 32)
+    m_rows, k = x.shape
+    acc = np.zeros((m_rows, u.shape[0]), np.float32)
+    for g in range(k // g_size):
+        ks = slice(g * g_size, (g + 1) * g_size)
+        s = q[:, ks].sum(axis=1)                                   # [M]
+        p = q[:, ks] @ u[:, ks].astype(np.int32).T - np.outer(s, c)  # [M, N] exact int
+        dx = d[:, g * g_size // 32]                                # [M]
+        t = (a[None, :, g * g_size // 16] * dx[:, None]).astype(np.float32)
+        acc = (acc + (p.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
+        if type_ in MIN_TYPES:
+            s32 = q[:, (g * g_size // 32) * 32:(g * g_size // 32 + 1) * 32].sum(axis=1)
+            xs = (dx * s32.astype(np.float32)).astype(np.float32)
+            acc = (acc + (b[None, :, g * g_size // 16] * xs[:, None]).astype(np.float32)
+                   ).astype(np.float32)
+    return acc
+
+
+def unpacked(weight):
+    return [t.numpy() for t in ops.int8_matrix_unpack(weight)]
+
+
+def int8_matrix(parts, k, order=None):
+    desc, mapping, w = matrix(parts, k, order=order)
+    offsets, types, ends, start = [], [], [], 0
+    del desc
+    # The same rows as gguf_matrix got them: rebuild the offsets from `matrix`'s layout.
+    at = 7
+    for type_, rows in parts:
+        n, rb = rows.shape
+        seg_order = np.arange(n) if order is None else order
+        offsets.append(at + seg_order * rb)
+        at += n * rb
+        start += n
+        types.append(type_)
+        ends.append(start)
+    weight = ops.int8_matrix(mapping, torch.from_numpy(np.concatenate(offsets)), types, ends, k)
+    return weight, w
+
+
+def k_for(type_: str, blocks: int) -> int:
+    return block_of(type_) * blocks
+
+
+@pytest.mark.parametrize("type_", INT8_TYPES)
+def test_codes_and_scales_are_the_dequantized_weights(type_):
+    k = k_for(type_, 3)
+    order = np.random.default_rng(0).permutation(21)
+    weight, w = int8_matrix([(type_, random_rows(type_, 21, k, seed=1))], k, order=order)
+    u, a, b, c = unpacked(weight)
+    g = np.repeat(np.arange(k // 16), 16)
+    w_int8 = (a[:, g] * (u.astype(np.float32) - c[:, None].astype(np.float32))
+              ).astype(np.float32) + b[:, g]
+    if type_ in MIN_TYPES:  # fl(a * u) + b, as the dequantization rounds
+        w_int8 = (a[:, g] * u.astype(np.float32)).astype(np.float32) + b[:, g]
+    np.testing.assert_array_equal(w_int8, w.numpy())
+    assert ops.panel_shape(weight) == (21, k)
+
+
+def test_activation_quantization():
+    x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(32)
+    x[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 0] = 127.5 / 127 * x[2, :32].abs().max()  # rounding at the edge
+    q, d = ops.int8_quantize_rows(x)
+    q_ref, d_ref = quantize_ref(x.numpy())
+    np.testing.assert_array_equal(q.numpy().astype(np.int32), q_ref)
+    np.testing.assert_array_equal(d.numpy(), d_ref)
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("type_", INT8_TYPES)
+def test_products_are_the_reference_bits_in_every_batch(isa, type_):
+    k = k_for(type_, 5 if block_of(type_) < 256 else 2)
+    weight, w = int8_matrix([(type_, random_rows(type_, 37, k, seed=2))], k)
+    x = torch.randn(23, k)
+    bias = torch.randn(37)
+    y = ops.panel_linear(x, weight, bias)
+    ref = linear_ref(x.numpy(), *unpacked(weight), type_) + bias.numpy()
+    np.testing.assert_array_equal(y.numpy(), ref)
+    # The int8 error itself stays small against the exact product.
+    exact = x.double() @ w.double().T + bias.double()
+    scale = x.double().abs() @ w.double().abs().T
+    assert ((y.double() - exact).abs() <= 0.02 * scale + 1e-6).all()
+    for rows_in_step in (1, 2, 3, 7, 8, 9, 16):
+        for first in (0, 23 - rows_in_step):
+            part = ops.panel_linear(x[first:first + rows_in_step].contiguous(), weight, bias)
+            assert torch.equal(part, y[first:first + rows_in_step]), (rows_in_step, first)
+
+
+def test_fused_segments_of_mixed_types_and_odd_sizes():
+    """q | k | v as a Q4_K_M file lays them out (Q4_K, Q4_K, Q6_K), segments not multiples of
+    16 outputs; and a legacy pair."""
+    for parts, k in (([("Q4_K", random_rows("Q4_K", 40, 512, 4)),
+                       ("Q4_K", random_rows("Q4_K", 9, 512, 5)),
+                       ("Q6_K", random_rows("Q6_K", 17, 512, 6))], 512),
+                     ([("Q4_1", random_rows("Q4_1", 3, 96, 7)),
+                       ("Q8_0", random_rows("Q8_0", 30, 96, 8))], 96)):
+        weight, _ = int8_matrix(parts, k)
+        x = torch.randn(11, k)
+        y = ops.panel_linear(x, weight)
+        u, a, b, c = unpacked(weight)
+        start = 0
+        for type_, rows in parts:
+            n = rows.shape[0]
+            ref = linear_ref(x.numpy(), u[start:start + n], a[start:start + n],
+                             b[start:start + n], c[start:start + n], type_)
+            np.testing.assert_array_equal(y[:, start:start + n].numpy(), ref)
+            start += n
+
+
+def test_vnni_and_portable_loops_agree():
+    if not ops.int8_vnni_available() or "base" not in ops.available_cpu_isas():
+        pytest.skip("needs a CPU with AVX512-VNNI")
+    before = ops.config().cpu_isa
+    try:
+        for type_ in INT8_TYPES:
+            k = k_for(type_, 4 if block_of(type_) < 256 else 2)
+            weight, _ = int8_matrix([(type_, random_rows(type_, 40, k, seed=3))], k)
+            x = torch.randn(20, k)
+            out = {}
+            for isa in ("avx512", "base"):
+                ops.configure(cpu_isa=isa)
+                out[isa] = [ops.panel_linear(x[:m].contiguous(), weight) for m in (1, 9, 20)]
+            assert all(torch.equal(p, q) for p, q in zip(out["avx512"], out["base"])), type_
+    finally:
+        ops.configure(cpu_isa=before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_do_not_change_the_bits(threads):
+    k = 2048
+    weight, _ = int8_matrix([("Q4_K", random_rows("Q4_K", 300, k, 9))], k)
+    x = torch.randn(40, k)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [ops.panel_linear(x[:m].contiguous(), weight) for m in (1, 8, 40)]
+        torch.set_num_threads(threads)
+        got = [ops.panel_linear(x[:m].contiguous(), weight) for m in (1, 8, 40)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(p, q) for p, q in zip(want, got))
+
+
+def test_non_finite_input_gives_nan_rows_and_bad_input_is_refused():
+    k = 64
+    weight, _ = int8_matrix([("Q8_0", random_rows("Q8_0", 16, k, 10))], k)
+    x = torch.randn(3, k)
+    x[1, 5] = float("inf")
+    y = ops.panel_linear(x, weight)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    with pytest.raises(ValueError, match="K = 32"):
+        ops.panel_linear(torch.randn(2, 32), weight)
+    base = torch.zeros(1000, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="no int8 kernel for GGUF type F16"):
+        ops.int8_matrix(base, torch.zeros(2, dtype=torch.int64), ["F16"], [2], 64)
+    with pytest.raises(ValueError, match="outside base"):
+        ops.int8_matrix(base, torch.tensor([0, 990]), ["Q8_0"], [2], 64)
