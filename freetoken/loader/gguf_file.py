@@ -6,7 +6,7 @@ vocabulary of 49152 tokens (plus as many merges) becomes ~200k small arrays, a ~
 and two seconds on SmolLM2. Here a string array is one bytes blob plus an offsets array
 (StringArray), a numeric array one numpy array, a scalar a Python value, and the tensor infos are
 the same fields GGUFReader's ReaderTensor has (without `field`). The gguf package still supplies
-the type tables and stays the reference: tests/unit/test_gguf_file.py checks that both readers
+the type tables and stays the reference: tests/model/test_gguf_file.py checks that both readers
 give the same metadata and tensors.
 
 Not here: what the metadata means (loader/gguf.py reads the model's config and weights,
@@ -15,6 +15,7 @@ tokenizer/gguf_vocab.py the vocabulary).
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -83,12 +84,13 @@ class GGUFTensor(NamedTuple):
 
 class GGUFFile:
     """A GGUF (versions 2 and 3, little- or big-endian) mapped read-only: `fields` (key -> value:
-    int / float / bool / str, StringArray, a numpy array for a numeric array), `tensors`
-    (GGUFTensor), `data` (the whole file, np.memmap) and `path`."""
+    int / float / bool / str, StringArray, a numpy array for a numeric array), `types` (key ->
+    its GGUFValueTypes as GGUFReader's field.types lists them: (ARRAY, item type) for an
+    array), `tensors` (GGUFTensor), `data` (the whole file, np.memmap) and `path`."""
 
     def __init__(self, path: str | Path):
-        self.data = np.memmap(path, mode="r")
-        self.path: str = self.data.filename  # absolute
+        self.path = os.path.abspath(path)
+        self.data = np.memmap(self.path, mode="r")
         self._buf = memoryview(self.data)
         if bytes(self._buf[:4]) != b"GGUF":
             raise ValueError(f"{self.path}: not a GGUF file (bad magic)")
@@ -103,11 +105,14 @@ class GGUFFile:
         self._offset = 8
         tensor_count, kv_count = self._unpack("QQ")
         self.fields: dict[str, Any] = {}
+        self.types: dict[str, tuple[GGUFValueType, ...]] = {}
         for _ in range(kv_count):
             key = self._string()
             if key in self.fields:
                 raise ValueError(f"{self.path}: duplicate metadata key {key!r}")
-            self.fields[key] = self._value(self._unpack("I")[0])
+            types: list[GGUFValueType] = []
+            self.fields[key] = self._value(self._unpack("I")[0], types)
+            self.types[key] = tuple(types)
         infos = [self._tensor_info() for _ in range(tensor_count)]
         self.alignment = self._alignment()
         self.data_offset = -(-self._offset // self.alignment) * self.alignment
@@ -130,8 +135,10 @@ class GGUFFile:
         self._offset += n
         return bytes(self._buf[start:self._offset]).decode("utf-8")
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, types: list[GGUFValueType]) -> Any:
+        """The value at the cursor; appends its type(s) to `types` (an array's first item's)."""
         kind = GGUFValueType(kind)
+        types.append(kind)
         if kind == GGUFValueType.STRING:
             return self._string()
         if kind in _SCALARS:
@@ -141,11 +148,14 @@ class GGUFFile:
         item_kind, n = self._unpack("IQ")
         item_kind = GGUFValueType(item_kind)
         if item_kind in _SCALARS:
-            return self._array(_SCALARS[item_kind], n).copy()
+            types.append(item_kind)
+            array = self._array(_SCALARS[item_kind], n)
+            return array.astype(array.dtype.newbyteorder("="))  # a copy, in this machine's order
         if item_kind == GGUFValueType.STRING:
+            types.append(item_kind)
             return self._strings(n)
         # An array of arrays: flattened into one list, as GGUFReader's contents() gives it.
-        items = (self._value(item_kind) for _ in range(n))
+        items = (self._value(item_kind, types if i == 0 else []) for i in range(n))
         return [v for item in items for v in (item if isinstance(item, list) else item.tolist())]
 
     def _array(self, dtype: str, n: int) -> np.ndarray:
