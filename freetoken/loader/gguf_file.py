@@ -189,8 +189,10 @@ class GGUFFile:
         if "general.alignment" not in self.fields:
             return GGUF_DEFAULT_ALIGNMENT
         alignment = self.fields["general.alignment"]
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
+        if self.types["general.alignment"] != (GGUFValueType.UINT32,):
+            raise ValueError(f"{self.path}: general.alignment is not a UINT32")
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError(f"{self.path}: general.alignment {alignment} is not a power of two")
         return alignment
 
     def _tensor(self, name: str, dims: np.ndarray, kind: int, offset: int) -> GGUFTensor:

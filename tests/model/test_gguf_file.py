@@ -116,6 +116,21 @@ def test_not_a_gguf_is_refused(tmp_path):
         GGUFFile(path)
 
 
+@pytest.mark.parametrize("kind, value, message", [
+    (GGUFValueType.UINT32, 48, "not a power of two"), (GGUFValueType.UINT64, 64, "not a UINT32")])
+def test_a_bad_alignment_is_refused(tmp_path, kind, value, message):
+    w = GGUFWriter(str(tmp_path / "x.gguf"), "llama")
+    w.add_key_value("general.alignment", value, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=message):
+        GGUFFile(tmp_path / "x.gguf")
+    with pytest.raises(ValueError):  # the reference refuses it too
+        GGUFReader(str(tmp_path / "x.gguf"))
+
+
 def test_parsing_smollm2_allocates_a_few_mib(smollm2_path):
     """GGUFReader builds ~200k numpy views for SmolLM2's vocabulary and merges (~165 MiB); the
     strings here are two blobs and their offsets."""
