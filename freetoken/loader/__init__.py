@@ -118,9 +118,6 @@ def load_model(
             check_fits(path, dtype, device, kv_bytes, reader=reader)
         config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
-        # NOTE: the parsed metadata (mostly the vocabulary) is ~150 MB of Python objects; drop it
-        # before dequantising so it does not add to the peak.
-        reader.fields.clear()
         blocks = None
         if gguf_in_place(dtype, device, fp32_bytes(reader)):  # stay in the file's blocks
             weights, matrices = read_in_place(reader, config, progress=progress)

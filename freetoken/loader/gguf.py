@@ -1,4 +1,4 @@
-"""GGUF file -> (ModelConfig, HF-named weights), through the `gguf` reader package.
+"""GGUF file -> (ModelConfig, HF-named weights), the file read by loader/gguf_file.py.
 
 Two ways to read the weights (model/linear.py gguf_in_place chooses):
   * read_in_place (fp32 on the CPU extension, models over 1 GiB as fp32): every matrix stays
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from freetoken import ops
+from freetoken.loader.gguf_file import GGUFFile
 from freetoken.loader.progress import progress as show_progress
 from freetoken.loader.progress import progress_done
 from freetoken.model.config import ModelConfig
@@ -59,13 +60,6 @@ _GLOBAL_NAMES = {
 }
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf `permute`).
 
@@ -76,7 +70,7 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rope_freq_factors(reader) -> list[float] | None:
+def _rope_freq_factors(reader: GGUFFile) -> list[float] | None:
     import gguf
 
     for t in reader.tensors:
@@ -85,8 +79,8 @@ def _rope_freq_factors(reader) -> list[float] | None:
     return None
 
 
-def read_config(reader) -> ModelConfig:
-    gguf_arch = _field(reader, "general.architecture")
+def read_config(reader: GGUFFile) -> ModelConfig:
+    gguf_arch = reader.get("general.architecture")
     if gguf_arch not in GGUF_ARCHS:
         raise ValueError(
             f"unsupported GGUF architecture {gguf_arch!r}; FreeToken supports {sorted(GGUF_ARCHS)}"
@@ -94,7 +88,7 @@ def read_config(reader) -> ModelConfig:
     a = gguf_arch
 
     def req(key: str):
-        value = _field(reader, f"{a}.{key}")
+        value = reader.get(f"{a}.{key}")
         if value is None:
             raise ValueError(f"GGUF metadata is missing {a}.{key}")
         return value
@@ -103,16 +97,16 @@ def read_config(reader) -> ModelConfig:
     hidden = int(req("embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     tok_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab_size = _field(reader, f"{a}.vocab_size")
+    vocab_size = reader.get(f"{a}.vocab_size")
     if vocab_size is None:
         vocab_size = int(tok_embd.shape[1])  # gguf shapes are [ne0=hidden, ne1=vocab]
-    head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
+    head_dim = reader.get(f"{a}.attention.key_length") or hidden // num_heads
     rope_scaling = None
-    scaling_type = _field(reader, f"{a}.rope.scaling.type")
+    scaling_type = reader.get(f"{a}.rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {
             "rope_type": "linear",
-            "factor": float(_field(reader, f"{a}.rope.scaling.factor")),
+            "factor": float(reader.get(f"{a}.rope.scaling.factor")),
         }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
@@ -121,13 +115,13 @@ def read_config(reader) -> ModelConfig:
         if rope_scaling is not None:
             raise ValueError("GGUF has both rope_freqs and rope.scaling; not supported")
         rope_scaling = {"rope_type": "freq_factors", "factors": freq_factors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        extra = _field(reader, key)
+        extra = reader.get(key)
         if extra is not None and int(extra) not in eos_ids:
             eos_ids.append(int(extra))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = reader.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         arch=GGUF_ARCHS[gguf_arch],
         vocab_size=int(vocab_size),
@@ -135,11 +129,11 @@ def read_config(reader) -> ModelConfig:
         intermediate_size=int(req("feed_forward_length")),
         num_layers=int(req("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", num_heads)),
+        num_kv_heads=int(reader.get(f"{a}.attention.head_count_kv", num_heads)),
         head_dim=int(head_dim),
         max_position_embeddings=int(req("context_length")),
         rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_theta=float(reader.get(f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
@@ -160,30 +154,27 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def fp32_bytes(reader) -> int:
+def fp32_bytes(reader: GGUFFile) -> int:
     """The bytes of the file's weights as fp32 (what dequantising them would keep)."""
     return 4 * sum(int(t.n_elements) for t in reader.tensors)
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader (parsing the metadata takes seconds: open once, share with the
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's metadata and tensor infos over its memory map (open once, share with the
     tokenizer)."""
-    import gguf  # only when a GGUF is actually loaded
-
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
 def load_gguf(source, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read metadata and dequantise every tensor of `source` (a path or an open GGUFReader).
+    """Read metadata and dequantise every tensor of `source` (a path or an open GGUFFile).
     Weights come back fp32, keyed by HF names."""
-    import gguf
-
-    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    reader = source if isinstance(source, GGUFFile) else open_gguf(source)
     config = read_config(reader)
     return config, read_weights(reader, config, progress)
 
 
-def read_weights(reader, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+def read_weights(reader: GGUFFile, config: ModelConfig, progress: bool = True
+                 ) -> dict[str, torch.Tensor]:
     """Dequantise every tensor to fp32, keyed by HF names (reader.fields is not used)."""
     weights: dict[str, torch.Tensor] = {}
     tensors = list(reader.tensors)
@@ -223,7 +214,7 @@ def _unpermuted_order(name: str, config: ModelConfig, rows: int) -> np.ndarray |
     return None
 
 
-def read_in_place(reader, config: ModelConfig, progress: bool = True
+def read_in_place(reader: GGUFFile, config: ModelConfig, progress: bool = True
                   ) -> tuple[dict[str, torch.Tensor], dict[str, GGUFMatrix]]:
     """(the 1-D tensors dequantised to fp32, every 2-D weight as a GGUFMatrix over the file's
     memory map), keyed by HF names. Raises ValueError naming a matrix whose type the in-place
@@ -277,7 +268,7 @@ def _dequantized(t, config: ModelConfig) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array if order is None else array[order]))
 
 
-def read_blocks(reader, config: ModelConfig) -> dict[str, GGUFBlocks]:
+def read_blocks(reader: GGUFFile, config: ModelConfig) -> dict[str, GGUFBlocks]:
     """The 2-D weights stored as GGUF_BLOCK_TYPES, as raw blocks keyed by HF names: rows [out,
     row bytes] uint8, q/k rows un-permuted as read_weights does (a row's blocks move with it)."""
     blocks: dict[str, GGUFBlocks] = {}

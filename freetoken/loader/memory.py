@@ -35,8 +35,7 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> We
     gguf_in_place) its tensors' bytes as the file stores them; otherwise every parameter in
     `dtype` and, on the CPU, the packed forms the kernels keep beside it (a tied lm_head's
     packed copy; bf16's second, panel copy of every matrix; fp32's Q4_1 / Q8_0 blocks for steps
-    of few rows). `reader`: the GGUF's open GGUFReader, when the caller has one (parsing the
-    header costs ~2 s for SmolLM2)."""
+    of few rows). `reader`: the GGUF's open GGUFFile, when the caller has one."""
     from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
 
     elem = torch.empty((), dtype=dtype).element_size()
@@ -112,11 +111,10 @@ Counts = tuple[int, int, bool, int, int]
 
 def _gguf_counts(path: Path, reader=None) -> tuple[int, int, bool, int, int, int]:
     """Counts (above) and the bytes of the Q4_1 / Q8_0 matrices kept for decode steps."""
-    from gguf import GGUFReader
-
+    from freetoken.loader.gguf_file import GGUFFile
     from freetoken.model.linear import GGUF_BLOCK_TYPES
 
-    tensors = (reader or GGUFReader(path)).tensors
+    tensors = (reader or GGUFFile(path)).tensors
     names = {t.name for t in tensors}
     params = sum(int(t.n_elements) for t in tensors)
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)

@@ -236,7 +236,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: _weight skips the random init: on the meta device (build_model) that init, like
+        # any meta arithmetic, imports torch._dynamo (~70 MiB resident, ~1 s). load_weights sets
+        # every weight.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -246,7 +250,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # packed copy of a tied lm_head (CPU),
         # or the descriptor of the embedding's GGUF blocks
         self.lm_head_few_rows: torch.Tensor | None = None  # and its bf16 panels (pack_few_rows)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        with torch.device("cpu"):  # NOTE: as for the embedding: meta arithmetic imports dynamo
+            inv_freq = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # rope()
 
     @property

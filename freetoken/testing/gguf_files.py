@@ -9,12 +9,14 @@ shapes, the bytes and the arithmetic are those of the real model.
 
     write(path, "llama-3.2-1b", "q4_k_m")     # scripts/make_gguf.py is its command line
     write(path, "tiny", "Q4_K")                # what the loader tests read in every format
+    write(path, "tiny-qwen2", "Q4_K")          # the same as a Qwen2 (q/k/v biases)
 
 mix "q4_k_m" lays the types out as llama-quantize's Q4_K_M does: Q4_K for most weights, Q6_K for
 the output (or the tied embedding) and for attn_v / ffn_down in the layers its `use_more_bits`
 picks (the first and last eighth, and every third layer between); any GGUF type name instead
-("Q8_0", "Q4_K", "F16", ...) makes every 2-D weight that type. Norms are F32. The file is
-streamed to disk tensor by tensor (memory stays at one tensor), with a progress line on stderr.
+("Q8_0", "Q4_K", "F16", ...) makes every 2-D weight that type. Norms (and biases) are F32. The
+file is streamed to disk tensor by tensor (memory stays at one tensor), with a progress line on
+stderr.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import time
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
+
+from freetoken.loader.gguf_file import GGUFFile
 
 SHAPES = {
     # layers, hidden, ffn, heads, kv heads, rope theta, tied embeddings (the real models' values)
@@ -40,7 +44,9 @@ SHAPES = {
     # the smallest shape every block type fits (rows of 256 values), for tests
     "tiny": dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, rope_theta=10000.0,
                  tied=False),
-}
+    "tiny-qwen2": dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, rope_theta=1e6,
+                       tied=False, arch="qwen2"),
+}  # "arch" (default "llama"): qwen2 adds the q/k/v biases (F32)
 
 # Where each block type keeps its fp16 scales: (byte offset, value). A random block is valid once
 # these are finite; the values size the weights at ~0.01-0.05 given each type's formula.
@@ -78,12 +84,16 @@ def tensors(s: dict, vocab: int) -> list[tuple[str, tuple[int, int] | tuple[int]
     """(GGUF name, shape [out, in] or [n], layer) in llama.cpp's order."""
     h, f, hd = s["hidden"], s["ffn"], s["hidden"] // s["heads"]
     kv = s["kv_heads"] * hd
+    biases = s.get("arch") == "qwen2"
     out = [("token_embd.weight", (vocab, h), -1)]
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (h,), i), (p + "attn_q.weight", (h, h), i),
-                (p + "attn_k.weight", (kv, h), i), (p + "attn_v.weight", (kv, h), i),
-                (p + "attn_output.weight", (h, h), i), (p + "ffn_norm.weight", (h,), i),
+        out.append((p + "attn_norm.weight", (h,), i))
+        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            out.append((p + name + ".weight", (rows, h), i))
+            if biases:
+                out.append((p + name + ".bias", (rows,), i))
+        out += [(p + "attn_output.weight", (h, h), i), (p + "ffn_norm.weight", (h,), i),
                 (p + "ffn_gate.weight", (f, h), i), (p + "ffn_up.weight", (f, h), i),
                 (p + "ffn_down.weight", (h, f), i)]
     out.append(("output_norm.weight", (h,), -1))
@@ -104,8 +114,10 @@ def random_blocks(rng: np.random.Generator, qtype: T, rows: int, cols: int) -> n
     return data.reshape(rows, -1)
 
 
-def tensor_data(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], norm: bool
-                ) -> np.ndarray:
+def tensor_data(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], norm: bool,
+                bias: bool = False) -> np.ndarray:
+    if bias:
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
     if norm:  # RMSNorm weights: around 1
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if qtype in FLOAT_TYPES:
@@ -118,18 +130,18 @@ def tensor_data(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], norm
 
 def copy_tokenizer(writer: GGUFWriter, source: str) -> int:
     """Every tokenizer.* field of `source` into `writer`; returns the vocabulary size."""
-    reader = GGUFReader(source)
+    reader = GGUFFile(source)
     vocab = 0
-    for key, field in reader.fields.items():
+    for key, value in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        value = field.contents()
+        types = reader.types[key]
         if key == "tokenizer.ggml.tokens":
             vocab = len(value)
-        if field.types[0] == GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=field.types[-1])
+        if types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(key, value.tolist(), GGUFValueType.ARRAY, sub_type=types[-1])
         else:
-            writer.add_key_value(key, value, field.types[0])
+            writer.add_key_value(key, value, types[0])
     return vocab
 
 
@@ -137,7 +149,7 @@ def write(path: str, shape: str, mix: str, seed: int = 0, tokenizer_from: str | 
           ) -> int:
     """Write the model; returns its size in bytes."""
     s = SHAPES[shape]
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, s.get("arch", "llama"))
     writer.add_name(f"synthetic {shape} {mix}")
     vocab = copy_tokenizer(writer, tokenizer_from or smollm2_path())
     hd = s["hidden"] // s["heads"]
@@ -171,7 +183,7 @@ def write(path: str, shape: str, mix: str, seed: int = 0, tokenizer_from: str | 
     rng = np.random.default_rng(seed)
     t0 = last = time.time()
     for i, (name, shp, qtype, norm) in enumerate(plan):
-        writer.write_tensor_data(tensor_data(rng, qtype, shp, norm))
+        writer.write_tensor_data(tensor_data(rng, qtype, shp, norm, name.endswith(".bias")))
         if time.time() - last > 1.0 or i == len(plan) - 1:
             last = time.time()
             print(f"\r[make_gguf] {i + 1}/{len(plan)} tensors, "

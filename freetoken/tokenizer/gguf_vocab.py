@@ -116,16 +116,20 @@ class GGUFVocab:
 
 
 def read_gguf_vocab(source: str | Path | Any) -> GGUFVocab:
-    """The vocabulary of a GGUF. `source` is a path or an open `gguf.GGUFReader` (the loader
-    passes its reader so the file is parsed once)."""
+    """The vocabulary of a GGUF. `source` is a path or an open GGUFFile (the loader passes its
+    own so the file is parsed once); a `gguf.GGUFReader` is read again through its path."""
     import gguf
 
-    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
-    path = str(getattr(reader.data, "filename", None) or source)
+    from freetoken.loader.gguf_file import GGUFFile
+
+    if isinstance(source, gguf.GGUFReader):
+        source = source.data.filename
+    file = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    path = file.path
 
     def get(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else _field_value(field)
+        value = file.get(key, default)
+        return value.tolist() if hasattr(value, "tolist") else value  # arrays -> lists
 
     model_type = get("tokenizer.ggml.model")
     tokens: list[str] = get("tokenizer.ggml.tokens") or []
@@ -172,21 +176,6 @@ def read_gguf_vocab(source: str | Path | Any) -> GGUFVocab:
             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
         )
     return GGUFVocab(hf, model_type, pre, options)
-
-
-def _field_value(field: Any) -> Any:
-    """A GGUF metadata value as Python data (`ReaderField.contents()` where gguf has it)."""
-    if hasattr(field, "contents"):
-        return field.contents()
-    import gguf  # older gguf: decode the parts by hand
-
-    def one(i: int, kind: Any) -> Any:
-        part = field.parts[i]
-        return bytes(part).decode("utf-8") if kind == gguf.GGUFValueType.STRING else part[0].item()
-
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [one(i, field.types[-1]) for i in field.data]
-    return one(field.data[0], field.types[0])
 
 
 def _gguf_byte_level(

@@ -222,7 +222,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: str | Path | Any) -> Tokenizer:
         """From a GGUF file's own vocabulary (gguf_vocab.py). `source` is a path or an open
-        `gguf.GGUFReader` (the loader passes its reader so the file is parsed once)."""
+        GGUFFile (loader/gguf_file.py; the loader passes its own so the file is parsed once)."""
         vocab = read_gguf_vocab(source)
         tok = cls(vocab.hf, **vocab.options)
         logger.info(

@@ -1,9 +1,10 @@
 """Every GGUF weight format through the whole loader and model, computed in place in the file's
-blocks (linear "gguf": what "auto" does for models over 1 GiB as fp32): a tiny Llama written in
-each type (random valid blocks, SmolLM2's tokenizer; freetoken.testing.gguf_files) gives the
-logits of transformers loading the same file (which dequantizes through the gguf package),
-within 1e-4, at two prompt lengths; and the same model dequantized at load ("panels") within
-1e-5, for a prefill step and the decode steps after it."""
+blocks (linear "gguf": what "auto" does for models over 1 GiB as fp32): a tiny Llama and a tiny
+Qwen2 (q/k/v biases, no q/k row permutation) written in each type (random valid blocks,
+SmolLM2's tokenizer; freetoken.testing.gguf_files) give the logits of transformers loading the
+same file (which dequantizes through the gguf package), within 1e-4, at two prompt lengths; and
+the same model dequantized at load ("panels") within 1e-5, for a prefill step and the decode
+steps after it."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ def logits(loaded, ids: list[int], kv) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_logits_match_transformers(tmp_path, fmt, ops_config):
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2"])
+def test_logits_match_transformers(tmp_path, shape, fmt, ops_config):
     transformers = pytest.importorskip("transformers")
-    path = tmp_path / f"tiny.{fmt}.gguf"
-    write(str(path), "tiny", fmt, seed=FORMATS.index(fmt))
+    path = tmp_path / f"{shape}.{fmt}.gguf"
+    write(str(path), shape, fmt, seed=FORMATS.index(fmt))
     ops_config(linear="gguf")
     ours = load_model(path, progress=False, load_tokenizer=False)
+    assert ours.config.arch == ("qwen2" if shape == "tiny-qwen2" else "llama")
+    assert ours.config.qkv_bias == (shape == "tiny-qwen2")
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     kv = ours.model.make_kv_cache(4, BLOCK_SIZE)
@@ -42,18 +46,19 @@ def test_logits_match_transformers(tmp_path, fmt, ops_config):
         with torch.no_grad():
             want = ref(torch.tensor([PROMPT[:n]])).logits[0, -1].float()
         diff = float((got - want).abs().max())
-        assert diff < 1e-4, (fmt, n, diff)
+        assert diff < 1e-4, (shape, fmt, n, diff)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "q4_k_m", "Q8_0", "IQ4_XS"])
-def test_in_place_equals_the_dequantized_model(tmp_path, fmt, ops_config):
+@pytest.mark.parametrize("shape, fmt", [("tiny", "Q4_K"), ("tiny", "q4_k_m"), ("tiny", "Q8_0"),
+                                        ("tiny", "IQ4_XS"), ("tiny-qwen2", "q4_k_m")])
+def test_in_place_equals_the_dequantized_model(tmp_path, shape, fmt, ops_config):
     """A prefill of 17 tokens and 4 decode steps, in place and dequantized at load: the same
     weights, fp32 both, only the summation order differs (1e-5)."""
     from freetoken import ops
     from freetoken.model.linear import packed_form
 
-    path = tmp_path / f"tiny.{fmt}.gguf"
-    write(str(path), "tiny", fmt, seed=7)
+    path = tmp_path / f"{shape}.{fmt}.gguf"
+    write(str(path), shape, fmt, seed=7)
     out = {}
     for mode in ("gguf", "panels"):
         ops_config(linear=mode)
@@ -68,4 +73,4 @@ def test_in_place_equals_the_dequantized_model(tmp_path, fmt, ops_config):
             steps.append(loaded.model.compute_logits(loaded.model.forward(batch, kv))[0])
         out[mode] = torch.stack(steps)
     diff = float((out["gguf"] - out["panels"]).abs().max())
-    assert diff < 1e-5, (fmt, diff)
+    assert diff < 1e-5, (shape, fmt, diff)
