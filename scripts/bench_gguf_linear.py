@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """A GGUF's layer linears computed in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp)
-against the same weights dequantized into fp32 panels (ops.pack_panels), by step size: every
-layer's matrices called once per step, in order, so each weight comes from DRAM as in a forward.
-The forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time.
+against the same weights dequantized into fp32 panels (ops.pack_panels) and, with --int8, the
+int8 compute mode (ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
+matrices called once per step, in order, so each weight comes from DRAM as in a forward. The
+forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time (int8:
+integer ops); with --int8 the int8 bound is measured first (the machine's vpdpbusd rate on
+registers, --threads threads, best of 5) and each int8 rate is also given as its fraction.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
-        [--rows 1 8 64 224] [--layers N] [--threads 2] [--no-panels]
+        [--rows 1 8 64 224] [--layers N] [--threads 2] [--no-panels] [--int8]
 
---layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --no-panels: the
-in-place form alone. Progress goes to stderr; stdout gets the table and, last, one JSON line.
+--layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --no-panels: no
+fp32 panels. Progress goes to stderr; stdout gets the table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from freetoken import ops  # noqa: E402
 from freetoken.loader import default_model_path  # noqa: E402
 
 
-def load_forms(path: str, layers: int | None, panels: bool) -> list[dict]:
-    """[{k, n, type, in_place, panels}] for every 2-D tensor of the first `layers` layers."""
+def load_forms(path: str, layers: int | None, panels: bool, int8: bool) -> list[dict]:
+    """[{k, n, type, in_place, panels, int8}] for every 2-D tensor of the first `layers`
+    layers."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -47,6 +51,10 @@ def load_forms(path: str, layers: int | None, panels: bool) -> list[dict]:
         offsets = torch.arange(n) * (int(t.n_bytes) // n) + int(t.data_offset)
         form = {"k": k, "n": n, "type": t.tensor_type.name, "mapping": mapping,
                 "in_place": ops.gguf_matrix(mapping, offsets, [t.tensor_type.name], [n], k)}
+        if int8 and ops.int8_matrix_available(t.tensor_type.name):
+            form["int8"] = ops.int8_matrix(mapping, offsets, [t.tensor_type.name], [n], k)
+        elif int8:  # no int8 kernel for this type: the int8 mode computes it exact
+            form["int8"] = form["in_place"]
         if panels:
             rows = np.asarray(t.data).view(np.uint8).reshape(n, -1)
             form["panels"] = ops.pack_panels(ops.dequantize_gguf(rows, t.tensor_type.name, k))
@@ -64,11 +72,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-panels", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="the int8 mode too, and its bound")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or str(default_model_path())
-    forms = load_forms(path, args.layers, not args.no_panels)
-    names = ["in_place"] + ([] if args.no_panels else ["panels"])
+    bound = None
+    if args.int8:
+        bound = max(ops.int8_peak_gops(2_000_000, args.threads) for _ in range(5))
+        print(f"int8 bound: {bound:.0f} GOP/s ({args.threads} threads of register vpdpbusd)")
+    forms = load_forms(path, args.layers, not args.no_panels, args.int8)
+    names = ["in_place"] + ([] if args.no_panels else ["panels"]) + (["int8"] if args.int8
+                                                                      else [])
     weights = sum(f["k"] * f["n"] for f in forms)
     results = []
     print(f"{os.path.basename(path)}: {len(forms)} matrices, {weights / 1e6:.0f}M weights, "
@@ -84,11 +98,13 @@ def main() -> None:
                     ops.panel_linear(xs[f["k"]], f[name])
                 times[name].append(time.perf_counter() - t0)
         med = {n: statistics.median(v) for n, v in times.items()}
+        rate = {n: 2 * m * weights / med[n] / 1e9 for n in names}
         print(f"{m:5d} | " + " | ".join(
-            f"{med[n] * 1e3:8.2f} ms {2 * m * weights / med[n] / 1e9:5.0f} GF/s" for n in names))
+            f"{med[n] * 1e3:8.2f} ms {rate[n]:5.0f} G/s" for n in names)
+            + (f" | int8 {rate['int8'] / bound:.2f} of its bound" if bound else ""))
         results.append({"rows": m, **{f"{n}_ms": med[n] * 1e3 for n in names}})
     print(json.dumps({"model": os.path.basename(path), "threads": args.threads,
-                      "weights": weights, "results": results}))
+                      "weights": weights, "int8_bound_gops": bound, "results": results}))
 
 
 if __name__ == "__main__":

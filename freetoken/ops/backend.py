@@ -37,7 +37,8 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "panel_pack", "gguf_pack", "gguf_matrix", "gguf_matrix_types", "is_gguf_matrix",
               "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
               "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
-              "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available")
+              "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available",
+              "int8_peak_gops")
 
 try:
     from freetoken import _C  # noqa: N813

@@ -7,7 +7,7 @@ fp32 scales per group in one fixed order.
     int8_matrix_available(type) -> bool;  is_int8_matrix(weight) -> bool
     int8_matrix_unpack(weight) -> (u, a, b, c): each weight is a * (u - c) + b
     int8_quantize_rows(x) -> (q int8 [M, K], d fp32 [M, K / 32])
-    int8_vnni_available() -> bool
+    int8_vnni_available() -> bool;  int8_peak_gops(iters, threads) -> the int8 bound (benchmarks)
 
 No torch twin: the mode needs the extension (the exact mode is the default everywhere). Not the
 choice of mode (freetoken/model/linear.py) nor the exact kernels (gguf.py, linear.py).
@@ -67,3 +67,12 @@ def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_vnni_available() -> bool:
     """True when this CPU runs the VNNI kernel (else the portable one, with the same bits)."""
     return _C is not None and _C.int8_vnni_available()
+
+
+def int8_peak_gops(iters: int, threads: int) -> float:
+    """The machine's int8 bound for benchmarks: GOP/s (2 a product) of `threads` threads each
+    running `iters` rounds of 12 independent vpdpbusd on registers. Needs AVX512-VNNI."""
+    from freetoken.ops.backend import require_ext
+
+    require_ext("int8_peak_gops")
+    return _C.int8_peak_gops(int(iters), int(threads))
