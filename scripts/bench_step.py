@@ -11,6 +11,7 @@ the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
     ... --backend torch     # every freetoken._C kernel off: the torch twins (decode attention
                             # by gather + SDPA, unfused norms/RoPE/SiLU, no panels)
     ... --pool-poll-us 0    # the kernels' thread pool sleeps at once between calls
+    ... --compute int8      # the int8 compute mode (a GGUF's quantized linears)
 (each flag is a freetoken.ops.configure argument, set before the model loads).
 
 --profile adds torch.profiler's op table for the classify and decode steps; --unfused runs each
@@ -46,8 +47,10 @@ def main() -> int:
     ap.add_argument("--linear", default="auto", choices=ops.LINEAR_MODES)
     ap.add_argument("--backend", default="auto", choices=ops.BACKENDS)
     ap.add_argument("--pool-poll-us", type=int, default=None)
+    ap.add_argument("--compute", default="exact", choices=ops.COMPUTE_MODES)
     args = ap.parse_args()
-    ops.configure(backend=args.backend, linear=args.linear, pool_poll_us=args.pool_poll_us)
+    ops.configure(backend=args.backend, linear=args.linear, pool_poll_us=args.pool_poll_us,
+                  compute=args.compute)
     print(f"loading {args.model or 'SmolLM2'} ...", file=sys.stderr)
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), load_tokenizer=False,
                     progress=False)
@@ -95,7 +98,8 @@ def main() -> int:
             print(name, file=sys.stderr)
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
                   file=sys.stderr)
-    print(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(),
+    print(json.dumps({"dtype": args.dtype, "compute": args.compute,
+                      "threads": torch.get_num_threads(),
                       "linear": args.linear, "ops": args.backend,
                       "pool_poll_us": ops.config().pool_poll_us,
                       "fused_layers": sum(layer.fused is not None for layer in m.layers),

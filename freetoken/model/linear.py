@@ -34,6 +34,8 @@ GGUF's weights into fp32 panels instead, "onednn" skips the panels too, "torch" 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -115,10 +117,26 @@ class GGUFMatrix:
         """What panel_linear computes with: the int8 matrix (ops.int8_matrix, a repacked copy)
         where int8_ready(), else the descriptor of the blocks in place (ops.gguf_matrix)."""
         if self.int8_ready():
-            return ops.int8_matrix(self.mapping, self.offsets, self.types, self.ends,
-                                   self.in_features)
+            packed = ops.int8_matrix(self.mapping, self.offsets, self.types, self.ends,
+                                     self.in_features)
+            self._drop_file_pages()
+            return packed
         return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
                                self.in_features)
+
+    def _drop_file_pages(self) -> None:
+        """Unmap this weight's pages of the file from the process (madvise DONTNEED; they stay in
+        the page cache): once its int8 copy exists they are not read again (an embedding's rows
+        fault back in as they are looked up), so the peak holds one copy, not two."""
+        starts = self.offsets
+        row_bytes = max(ops.gguf_row_bytes(t, self.in_features) for t in self.types)
+        lo, hi = int(starts.min()), int(starts.max()) + row_bytes
+        base = self.mapping.data_ptr()
+        page = mmap.PAGESIZE
+        first = (base + lo) // page * page
+        last = -(-(base + min(hi, self.mapping.numel())) // page) * page
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
     def row_table(self) -> torch.Tensor:
         """The rows as a [out, row bytes] uint8 view of the mapping (a single-type weight whose
