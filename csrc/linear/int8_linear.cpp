@@ -276,8 +276,12 @@ struct Acts {
 // NaN d, so the row's outputs are NaN rather than garbage).
 FT_INLINE void quantize_block(const float* x, int8_t* q, float* d, int32_t* s16, float* xs32) {
   float amax = 0.f;
-  for (int i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  if (!std::isfinite(amax)) {
+  bool finite = true;
+  for (int i = 0; i < kXBlock; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    finite = finite && std::isfinite(x[i]);
+  }
+  if (!finite) {
     std::memset(q, 0, kXBlock);
     *d = std::nanf("");
     s16[0] = s16[1] = 0;
@@ -297,6 +301,12 @@ FT_INLINE void quantize_block(const float* x, int8_t* q, float* d, int32_t* s16,
   *xs32 = *d * static_cast<float>(s[0] + s[1]);
 }
 
+#if FT_HAS_ISA_VARIANTS
+void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16, float* xs,
+                          int64_t i0, int64_t i1);
+#endif
+bool use_vnni();
+
 struct ActStore {
   at::Tensor q, d, s16, xs32;
   Acts view() const {
@@ -314,12 +324,17 @@ ActStore quantize(const at::Tensor& x) {
   float* d = s.d.data_ptr<float>();
   int32_t* s16 = s.s16.data_ptr<int32_t>();
   float* xs = s.xs32.data_ptr<float>();
-  // ~1 ns a value on one thread: worth the pool from a few thousand blocks (a prefill step).
+  // Worth the pool from a few thousand blocks (a prefill step).
   const int64_t nblocks = M * B;
   const int nthreads = nblocks < 4096 ? 1 : at::get_num_threads();
   const int64_t n = nthreads == 1 ? 1 : 4 * nthreads;
+  const bool vnni = use_vnni();
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    for (int64_t i = nblocks * t / n; i < nblocks * (t + 1) / n; ++i)
+    const int64_t i0 = nblocks * t / n, i1 = nblocks * (t + 1) / n;
+#if FT_HAS_ISA_VARIANTS
+    if (vnni) return quantize_blocks_vnni(xp, q, d, s16, xs, i0, i1);
+#endif
+    for (int64_t i = i0; i < i1; ++i)
       quantize_block(xp + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
   });
   return s;
@@ -397,6 +412,45 @@ FT_TARGET_VNNI FT_INLINE __m512 bytes16(const uint8_t* p, bool is_signed) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_maskz_cvtepi32_ps(0xFFFF, is_signed ? _mm512_maskz_cvtepi8_epi32(0xFFFF, v)
                                                     : _mm512_maskz_cvtepu8_epi32(0xFFFF, v));
+}
+
+FT_TARGET_VNNI FT_INLINE float hmax(__m512 v) {
+  const __m256 a = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0), _mm512_maskz_extractf32x8_ps(0xFF, v, 1));
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+}
+FT_TARGET_VNNI FT_INLINE int32_t hsum(__m512i v) {
+  const __m256i a = _mm256_add_epi32(_mm512_maskz_extracti32x8_epi32(0xFF, v, 0),
+                                     _mm512_maskz_extracti32x8_epi32(0xFF, v, 1));
+  __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  b = _mm_add_epi32(b, _mm_unpackhi_epi64(b, b));
+  return _mm_cvtsi128_si32(_mm_add_epi32(b, _mm_shuffle_epi32(b, 1)));
+}
+
+// quantize_block's arithmetic, 16 lanes at a time (cvtps2dq rounds to nearest even, as
+// nearbyint does); a block with a NaN or an infinity takes quantize_block itself.
+FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16,
+                                         float* xs, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* xb = x + i * kXBlock;
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    if (_mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99)) {
+      quantize_block(xb, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+      continue;
+    }
+    const float amax = hmax(_mm512_maskz_max_ps(0xFFFF, _mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(a, id));
+    const __m512i qb = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(b, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kXBlock), _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kXBlock + 16), _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
+    const int32_t sa = hsum(qa), sb = hsum(qb);
+    d[i] = amax / 127.f;
+    s16[2 * i] = sa;
+    s16[2 * i + 1] = sb;
+    xs[i] = d[i] * static_cast<float>(sa + sb);
+  }
 }
 
 // NOTE: a panel streams from DRAM once a step: the bytes kPrefetchBytes ahead of the group being

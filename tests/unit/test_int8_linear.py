@@ -97,7 +97,7 @@ def test_codes_and_scales_are_the_dequantized_weights(type_):
     assert ops.panel_shape(weight) == (21, k)
 
 
-def test_activation_quantization():
+def test_activation_quantization(isa):
     x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(32)
     x[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
     x[2, 0] = 127.5 / 127 * x[2, :32].abs().max()  # rounding at the edge
@@ -182,13 +182,14 @@ def test_threads_do_not_change_the_bits(threads):
     assert all(torch.equal(p, q) for p, q in zip(want, got))
 
 
-def test_non_finite_input_gives_nan_rows_and_bad_input_is_refused():
+def test_non_finite_input_gives_nan_rows_and_bad_input_is_refused(isa):
     k = 64
     weight, _ = int8_matrix([("Q8_0", random_rows("Q8_0", 16, k, 10))], k)
-    x = torch.randn(3, k)
+    x = torch.randn(4, k)
     x[1, 5] = float("inf")
+    x[2, 40] = float("nan")
     y = ops.panel_linear(x, weight)
-    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    assert torch.isnan(y[1:3]).all() and torch.isfinite(y[[0, 3]]).all()
     with pytest.raises(ValueError, match="K = 32"):
         ops.panel_linear(torch.randn(2, 32), weight)
     base = torch.zeros(1000, dtype=torch.uint8)
