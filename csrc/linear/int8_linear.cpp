@@ -149,7 +149,8 @@ FT_INLINE void k4_scales(const uint8_t* p, Parts& s) {
 FT_INLINE void split_q4_k(const uint8_t* p, Parts& s) {
   k4_scales(p, s);
   for (int g = 0; g < 8; ++g)
-    for (int l = 0; l < 32; ++l) s.u[g * 32 + l] = (p[16 + (g >> 1) * 32 + l] >> (4 * (g & 1))) & 15;
+    for (int l = 0; l < 32; ++l)
+      s.u[g * 32 + l] = (p[16 + (g >> 1) * 32 + l] >> (4 * (g & 1))) & 15;
 }
 FT_INLINE void split_q5_k(const uint8_t* p, Parts& s) {
   k4_scales(p, s);
@@ -248,7 +249,8 @@ struct GroupRef {
         return;
       }
       case kK4: {
-        const float d = gb::half_to_float(unit + 2 * o), dmin = gb::half_to_float(unit + 32 + 2 * o);
+        const float d = gb::half_to_float(unit + 2 * o);
+        const float dmin = gb::half_to_float(unit + 32 + 2 * o);
         *a = d * static_cast<float>(unit[64 + 16 * j + o]);
         *b = -(dmin * static_cast<float>(unit[64 + 128 + 16 * j + o]));
         return;
@@ -415,7 +417,8 @@ FT_TARGET_VNNI FT_INLINE __m512 bytes16(const uint8_t* p, bool is_signed) {
 }
 
 FT_TARGET_VNNI FT_INLINE float hmax(__m512 v) {
-  const __m256 a = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0), _mm512_maskz_extractf32x8_ps(0xFF, v, 1));
+  const __m256 a = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
+                                 _mm512_maskz_extractf32x8_ps(0xFF, v, 1));
   __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   b = _mm_max_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
@@ -443,8 +446,9 @@ FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int8_t* q, float* d, in
     const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     const __m512i qa = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(a, id));
     const __m512i qb = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(b, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kXBlock), _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kXBlock + 16), _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
+    auto* qi = reinterpret_cast<__m128i*>(q + i * kXBlock);
+    _mm_storeu_si128(qi, _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
+    _mm_storeu_si128(qi + 1, _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
     const int32_t sa = hsum(qa), sb = hsum(qb);
     d[i] = amax / 127.f;
     s16[2 * i] = sa;

@@ -1,7 +1,8 @@
 """The int8 compute mode (ops.configure(compute="int8"), `--compute int8`) through the loader and
 the model: every quantized linear (the fused decoder layer's included) computes on the int8
 kernels (csrc/linear/int8_linear.cpp), and its logits stay within stated tolerances of the exact
-mode: on tiny Llamas written in each format the int8 kernels take, and on SmolLM2 (the tolerances
+mode: on tiny Llamas written in each format the int8 kernels take (and tiny Qwen2s, whose q/k/v
+have biases), and on SmolLM2 (the tolerances
 are about 3x what was measured: max |delta logit| 0.015 on the tiny models; on SmolLM2's prompts
 top-1 logprob 0.19, top-20 0.47, top-1 agreement 11 of 12). A token's logits are the same bits
 alone or beside other sequences. Where int8 cannot apply, it says so."""
@@ -45,10 +46,11 @@ def random_prompts(n_tokens=(5, 17, 40, 90), vocab: int = 49152) -> list[list[in
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in n_tokens]
 
 
-@pytest.mark.parametrize("fmt", INT8_FORMATS)
-def test_tiny_model_int8_is_close_to_exact(tmp_path, fmt, ops_config):
-    path = tmp_path / f"tiny.{fmt}.gguf"
-    write(str(path), "tiny", fmt, seed=3)
+@pytest.mark.parametrize("shape,fmt", [("tiny", f) for f in INT8_FORMATS]
+                         + [("tiny-qwen2", f) for f in ("Q4_K", "q4_k_m", "Q8_0")])
+def test_tiny_model_int8_is_close_to_exact(tmp_path, shape, fmt, ops_config):
+    path = tmp_path / f"{shape}.{fmt}.gguf"
+    write(str(path), shape, fmt, seed=3)
     prompts = random_prompts()
     out = {}
     for mode in ("exact", "int8"):
