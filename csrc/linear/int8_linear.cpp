@@ -1,7 +1,8 @@
 // The int8 compute mode's linear (issue 24): y = x @ W^T (+ bias), where x is quantized to int8 per
 // block of 32 values with an fp32 scale (as llama.cpp's Q8_0) and W keeps its GGUF integer codes,
 // so each group of 32 (16 for Q6_K) weights times x is one exact integer dot product, scaled in
-// fp32. Not exact: x loses its low bits (the exact mode is gguf_linear.cpp).
+// fp32. Not exact: x loses its low bits (the exact mode is gguf_linear.cpp). Three loops with
+// the same bits: AVX512-VNNI, AVX2 (CPUs without VNNI), portable (baseline x86-64).
 //
 // The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
 // u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
@@ -306,8 +307,11 @@ FT_INLINE void quantize_block(const float* x, int8_t* q, float* d, int32_t* s16,
 #if FT_HAS_ISA_VARIANTS
 void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16, float* xs,
                           int64_t i0, int64_t i1);
+void quantize_blocks_avx2(const float* x, int8_t* q, float* d, int32_t* s16, float* xs,
+                          int64_t i0, int64_t i1);
 #endif
 bool use_vnni();
+bool use_avx2();
 
 struct ActStore {
   at::Tensor q, d, s16, xs32;
@@ -330,11 +334,12 @@ ActStore quantize(const at::Tensor& x) {
   const int64_t nblocks = M * B;
   const int nthreads = nblocks < 4096 ? 1 : at::get_num_threads();
   const int64_t n = nthreads == 1 ? 1 : 4 * nthreads;
-  const bool vnni = use_vnni();
+  const bool vnni = use_vnni(), avx2 = use_avx2();
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
     const int64_t i0 = nblocks * t / n, i1 = nblocks * (t + 1) / n;
 #if FT_HAS_ISA_VARIANTS
     if (vnni) return quantize_blocks_vnni(xp, q, d, s16, xs, i0, i1);
+    if (avx2) return quantize_blocks_avx2(xp, q, d, s16, xs, i0, i1);
 #endif
     for (int64_t i = i0; i < i1; ++i)
       quantize_block(xp + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
@@ -597,6 +602,180 @@ FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, con
   }
 }
 
+// --- the AVX2 kernel (CPUs without AVX512-VNNI) ---------------------------------------------------
+// The same layout and arithmetic with 8-lane vectors: a panel is two halves of 8 outputs, and
+// each 4-code step is vpmaddubsw (u8 x s8 -> pairs of int16) then vpmaddwd by ones (-> int32).
+// No pair can saturate: codes <= 63 give |pair| <= 16002, and Q8_0's biased codes are unbiased
+// first, its products taken as |q| x sign(q) * x (|pair| <= 32512), which sums to P directly.
+FT_TARGET_AVX2 FT_INLINE __m256 no_contract256(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+FT_TARGET_AVX2 FT_INLINE __m256i bcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+FT_TARGET_AVX2 FT_INLINE __m256i load_half(const uint8_t* p, int h) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+}
+
+// One step: 4 codes of each output (halves lo8, hi8) times the 4 x at xk + m * ldx, row m.
+template <int MR>
+FT_TARGET_AVX2 FT_INLINE void step_avx2(__m256i (&P)[MR][2], __m256i lo8, __m256i hi8,
+                                        bool signed_codes, const int8_t* xk, int64_t ldx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i cv[2] = {lo8, hi8}, sg[2] = {lo8, hi8};
+  if (signed_codes) {
+    for (int h = 0; h < 2; ++h) {
+      sg[h] = _mm256_xor_si256(cv[h], _mm256_set1_epi8(static_cast<char>(0x80)));  // u - 128
+      cv[h] = _mm256_abs_epi8(sg[h]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m256i xv = bcast4_256(xk + m * ldx);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i xs = signed_codes ? _mm256_sign_epi8(xv, sg[h]) : xv;
+      P[m][h] = _mm256_add_epi32(P[m][h],
+                                 _mm256_madd_epi16(_mm256_maddubs_epi16(cv[h], xs), ones));
+    }
+  }
+}
+
+// Rows [m0, m0 + MR) against one panel; acc_out [MR][16].
+template <int MR, int KIND>
+FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
+                                              const Acts& x, int64_t m0, float* acc_out) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int G = ki.group, PER = ki.unit / G;
+  const bool signed_codes = c == 128;  // Q8_0: products of the unbiased codes
+  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = data + u * unit_bytes(KIND);
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+      const int64_t k0 = u * ki.unit + j * G;
+      __m256i P[MR][2];
+      for (int m = 0; m < MR; ++m) {
+        int32_t init = 0;
+        if (!has_min(KIND) && !signed_codes) {
+          const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
+          init = -c * (G == 32 ? s[0] + s[1] : s[0]);
+        }
+        P[m][0] = P[m][1] = _mm256_set1_epi32(init);
+      }
+      const int8_t* xk = x.q + m0 * x.K + k0;
+      if constexpr (ki.codes == kNib) {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i v0 = load_half(codes + 64 * t, 0), v1 = load_half(codes + 64 * t, 1);
+          step_avx2<MR>(P, _mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), signed_codes,
+                        xk + 4 * t, x.K);
+          step_avx2<MR>(P, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), signed_codes,
+                        xk + 16 + 4 * t, x.K);
+        }
+      } else if constexpr (ki.codes == kByte) {
+        for (int s = 0; s < G / 4; ++s)
+          step_avx2<MR>(P, load_half(codes + 64 * s, 0), load_half(codes + 64 * s, 1),
+                        signed_codes, xk + 4 * s, x.K);
+      } else {
+        for (int s = 0; s < 4; ++s) {
+          __m256i v[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i n = load_half(codes + 64 * (s & 1), h), pl = load_half(codes + 128, h);
+            const __m256i lo = s < 2 ? _mm256_and_si256(n, low4)
+                                     : _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
+            const __m256i top = s == 0 ? _mm256_slli_epi16(pl, 4)
+                                : s == 1 ? _mm256_slli_epi16(pl, 2)
+                                : s == 2 ? pl : _mm256_srli_epi16(pl, 2);
+            v[h] = _mm256_or_si256(lo, _mm256_and_si256(top, hi2));
+          }
+          step_avx2<MR>(P, v[0], v[1], signed_codes, xk + 4 * s, x.K);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256 a, b = _mm256_setzero_ps();
+        const int o = 8 * h;
+        if constexpr (ki.scales == kHalf || ki.scales == kHalfMin) {
+          const uint8_t* sp = codes + code_bytes(KIND);
+          a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 2 * o)));
+          if constexpr (ki.scales == kHalfMin)
+            b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 2 * o)));
+        } else {
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(unit + 2 * o)));
+          const uint8_t* sc = unit + (ki.scales == kK4 ? 64 : 32) + 16 * j + o;
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+          a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ki.scales == kK4 ? _mm256_cvtepu8_epi32(s8)
+                                                                  : _mm256_cvtepi8_epi32(s8)));
+          if constexpr (ki.scales == kK4) {
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(unit + 32 + 2 * o)));
+            const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 128));
+            b = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
+                              _mm256_set1_ps(-0.f));
+          }
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
+          const __m256 t = no_contract256(_mm256_mul_ps(a, _mm256_set1_ps(x.d[xb])));
+          acc[m][h] = _mm256_add_ps(
+              acc[m][h], no_contract256(_mm256_mul_ps(_mm256_cvtepi32_ps(P[m][h]), t)));
+          if constexpr (has_min(KIND))
+            acc[m][h] = _mm256_add_ps(
+                acc[m][h], no_contract256(_mm256_mul_ps(b, _mm256_set1_ps(x.xs32[xb]))));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_out + m * kPanel + 8 * h, acc[m][h]);
+}
+
+template <int KIND>
+FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                               int64_t M, float* y, int64_t N, const float* bias) {
+  alignas(32) float acc[2 * kPanel];
+  const int nv = pi.n1 - pi.n0;
+  const int64_t units = x.K / kKinds[KIND].unit;
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const int mr = static_cast<int>(std::min<int64_t>(2, M - m0));
+    if (mr == 2) {
+      panel_rows_avx2<2, KIND>(data, pi.c, units, x, m0, acc);
+    } else {
+      panel_rows_avx2<1, KIND>(data, pi.c, units, x, m0, acc);
+    }
+    for (int m = 0; m < mr; ++m)
+      for (int o = 0; o < nv; ++o)
+        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                                   int64_t M, float* y, int64_t N, const float* bias) {
+  switch (pi.kind) {
+    case kNib32: return panel_avx2<kNib32>(data, pi, x, M, y, N, bias);
+    case kNib32Min: return panel_avx2<kNib32Min>(data, pi, x, M, y, N, bias);
+    case kByte32: return panel_avx2<kByte32>(data, pi, x, M, y, N, bias);
+    case kByte32Min: return panel_avx2<kByte32Min>(data, pi, x, M, y, N, bias);
+    case kNibK4: return panel_avx2<kNibK4>(data, pi, x, M, y, N, bias);
+    case kByteK4: return panel_avx2<kByteK4>(data, pi, x, M, y, N, bias);
+    default: return panel_avx2<kSixK6>(data, pi, x, M, y, N, bias);
+  }
+}
+
+// quantize_block compiled for AVX2 (nearbyint becomes one vroundps, not a libm call).
+FT_TARGET_AVX2 void quantize_blocks_avx2(const float* x, int8_t* q, float* d, int32_t* s16,
+                                         float* xs, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i)
+    quantize_block(x + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+}
+
 // The machine's int8 bound: 12 independent vpdpbusd chains on registers (64 products each).
 FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
   __m512i acc[12];
@@ -629,6 +808,8 @@ bool cpu_has_vnni() {
 }
 
 bool use_vnni() { return cpu_has_vnni() && current_isa() == Isa::kAvx512; }
+// AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
+bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
 int format_id(const std::string& name) {
   for (int f = 0; f < kNumFormats; ++f)
@@ -830,13 +1011,17 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const ActStore store = quantize(x);
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
-  const bool vnni = use_vnni();
+  const bool vnni = use_vnni(), avx2 = use_avx2();
   const auto run = [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const PanelInfo& pi = mat.panels[p];
 #if FT_HAS_ISA_VARIANTS
       if (vnni) {
         run_panel_vnni(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        continue;
+      }
+      if (avx2) {
+        run_panel_avx2(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
         continue;
       }
 #endif

@@ -1,7 +1,7 @@
 """ops.int8_matrix + ops.panel_linear (csrc/linear/int8_linear.cpp): the int8 compute mode.
 Held to a NumPy reference of the same arithmetic, bit for bit (integer sums are exact, and the fp32
-steps are written out in their order), for every format it takes, on every ISA variant (VNNI or
-the portable loop), at odd sizes:
+steps are written out in their order), for every format it takes, on every ISA variant (the
+AVX512-VNNI, the AVX2 and the portable loop), at odd sizes:
   * the repacked codes and scales give each weight's dequantized value exactly: a * (u - c) + b;
   * x's quantization: per block of 32, d = amax / 127 and q = rint(x * (127 / amax));
   * y = the reference's bits, whatever the row count, the rows beside a row, or the threads.
@@ -148,8 +148,8 @@ def test_fused_segments_of_mixed_types_and_odd_sizes():
             start += n
 
 
-def test_vnni_and_portable_loops_agree():
-    if not ops.int8_vnni_available() or "base" not in ops.available_cpu_isas():
+def test_vnni_avx2_and_portable_loops_agree():
+    if not ops.int8_vnni_available() or "avx2" not in ops.available_cpu_isas():
         pytest.skip("needs a CPU with AVX512-VNNI")
     before = ops.config().cpu_isa
     try:
@@ -158,10 +158,12 @@ def test_vnni_and_portable_loops_agree():
             weight, _ = int8_matrix([(type_, random_rows(type_, 40, k, seed=3))], k)
             x = torch.randn(20, k)
             out = {}
-            for isa in ("avx512", "base"):
+            for isa in ("avx512", "avx2", "base"):
                 ops.configure(cpu_isa=isa)
                 out[isa] = [ops.panel_linear(x[:m].contiguous(), weight) for m in (1, 9, 20)]
-            assert all(torch.equal(p, q) for p, q in zip(out["avx512"], out["base"])), type_
+            for isa in ("avx2", "base"):
+                assert all(torch.equal(p, q) for p, q in zip(out["avx512"], out[isa])), (type_,
+                                                                                          isa)
     finally:
         ops.configure(cpu_isa=before)
 
