@@ -1,8 +1,7 @@
 """The int8 compute mode's weights and products (csrc/linear/int8_linear.cpp): a GGUF weight's
 integer codes repacked 16 outputs at a time, x quantized to int8 per block of 32 at each call,
 integer dot products (AVX512-VNNI where the CPU has it, else AVX2, else a portable loop: the
-same bits on all three),
-fp32 scales per group in one fixed order.
+same bits on all three), fp32 scales per group in one fixed order.
 
     int8_matrix(base, row_offsets, types, ends, in_features) -> the int8 matrix (panel_linear)
     int8_matrix_available(type) -> bool;  is_int8_matrix(weight) -> bool

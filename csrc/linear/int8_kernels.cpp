@@ -1,0 +1,473 @@
+// The int8 mode's kernels: the arithmetic of int8_linear.cpp's module comment, three times with
+// the same bits. The portable loop is the reference order (and the baseline x86-64 variant); the
+// AVX512-VNNI and AVX2 loops keep 16 outputs in vector lanes. Not the layout (int8_layout.h) nor
+// the choice among them (int8_linear.cpp).
+#include "linear/int8_kernels.h"
+
+#include <immintrin.h>
+
+namespace freetoken {
+namespace int8 {
+
+// fp32 products kept apart from the adds that follow (the file builds with -ffp-contract=fast):
+// the arithmetic of the module comment, not an FMA of it.
+FT_INLINE float no_contract(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#else
+  volatile float kept = v;
+  v = kept;
+#endif
+  return v;
+}
+
+// --- the portable kernel (the reference order; the baseline x86-64 variant) ------------------
+
+void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
+                    int64_t N, const float* bias) {
+  const KindInfo& ki = kKinds[pi.kind];
+  const int G = ki.group, per_unit = ki.unit / G;
+  const int64_t units = x.K / ki.unit, ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kPanel] = {};
+    const int8_t* xq = x.q + m * x.K;
+    for (int64_t u = 0; u < units; ++u) {
+      for (int j = 0; j < per_unit; ++j) {
+        const GroupRef gr{pi.kind, data + u * unit_bytes(pi.kind), j};
+        const int64_t k0 = u * ki.unit + j * G;
+        int32_t S = 0;
+        for (int i = 0; i < G / 16; ++i) S += x.s16[m * ld16 + k0 / 16 + i];
+        const float d = x.d[m * ld32 + k0 / kXBlock];
+        for (int o = 0; o < kPanel; ++o) {
+          int32_t P = -pi.c * S;
+          for (int k = 0; k < G; ++k) P += gr.code(o, k) * xq[k0 + k];
+          float a, b;
+          gr.scales(o, &a, &b);
+          const float t = no_contract(a * d);
+          acc[o] = acc[o] + no_contract(static_cast<float>(P) * t);
+          if (has_min(pi.kind))
+            acc[o] = acc[o] + no_contract(b * x.xs32[m * ld32 + k0 / kXBlock]);
+        }
+      }
+    }
+    for (int o = 0; o < pi.n1 - pi.n0; ++o)
+      y[m * N + pi.n0 + o] = acc[o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+// --- the VNNI kernel -----------------------------------------------------------------------------
+#if FT_HAS_ISA_VARIANTS
+#define FT_TARGET_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+FT_TARGET_VNNI FT_INLINE __m512 no_contract512(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// acc += codes . (the 4 int8 at p, broadcast to every lane): one vpdpbusd with its broadcast
+// folded into the load (GCC emits a separate vpbroadcastd for the intrinsic form).
+FT_TARGET_VNNI FT_INLINE __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+FT_TARGET_VNNI FT_INLINE __m512 halfs16(const uint8_t* p) {
+  return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+FT_TARGET_VNNI FT_INLINE __m512 bytes16(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_maskz_cvtepi32_ps(0xFFFF, is_signed ? _mm512_maskz_cvtepi8_epi32(0xFFFF, v)
+                                                    : _mm512_maskz_cvtepu8_epi32(0xFFFF, v));
+}
+
+FT_TARGET_VNNI FT_INLINE float hmax(__m512 v) {
+  const __m256 a = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
+                                 _mm512_maskz_extractf32x8_ps(0xFF, v, 1));
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+}
+FT_TARGET_VNNI FT_INLINE int32_t hsum(__m512i v) {
+  const __m256i a = _mm256_add_epi32(_mm512_maskz_extracti32x8_epi32(0xFF, v, 0),
+                                     _mm512_maskz_extracti32x8_epi32(0xFF, v, 1));
+  __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  b = _mm_add_epi32(b, _mm_unpackhi_epi64(b, b));
+  return _mm_cvtsi128_si32(_mm_add_epi32(b, _mm_shuffle_epi32(b, 1)));
+}
+
+// quantize_block's arithmetic, 16 lanes at a time (cvtps2dq rounds to nearest even, as
+// nearbyint does); a block with a NaN or an infinity takes quantize_block itself.
+FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16,
+                                         float* xs, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* xb = x + i * kXBlock;
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    if (_mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99)) {
+      quantize_block(xb, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+      continue;
+    }
+    const float amax = hmax(_mm512_maskz_max_ps(0xFFFF, _mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(a, id));
+    const __m512i qb = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(b, id));
+    auto* qi = reinterpret_cast<__m128i*>(q + i * kXBlock);
+    _mm_storeu_si128(qi, _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
+    _mm_storeu_si128(qi + 1, _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
+    const int32_t sa = hsum(qa), sb = hsum(qb);
+    d[i] = amax / 127.f;
+    s16[2 * i] = sa;
+    s16[2 * i + 1] = sb;
+    xs[i] = d[i] * static_cast<float>(sa + sb);
+  }
+}
+
+// NOTE: a panel streams from DRAM once a step: the bytes kPrefetchBytes ahead of the group being
+// read are asked for (1B Q4_K ffn_gate at 8 rows, one thread: 5.8-6.2 -> 4.1-4.4 ms).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Rows [m0, m0 + MR) against one panel over all of K.
+template <int MR, int KIND>
+FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, int64_t units,
+                                              const Acts& x, int64_t m0, float* acc_out) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int G = ki.group, PER = ki.unit / G;
+  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const uint8_t* prefetched = data + kPrefetchBytes;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = data + u * unit_bytes(KIND);
+    __m512 dv = _mm512_setzero_ps(), dminv = _mm512_setzero_ps();
+    if constexpr (ki.scales == kK4 || ki.scales == kK6) dv = halfs16(unit);
+    if constexpr (ki.scales == kK4) dminv = halfs16(unit + 32);
+#pragma GCC unroll 1
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+      for (; prefetched < codes + group_bytes(KIND) + kPrefetchBytes; prefetched += 64)
+        __builtin_prefetch(prefetched, 0, 3);
+      const int64_t k0 = u * ki.unit + j * G;
+      __m512 a, b = _mm512_setzero_ps();
+      if constexpr (ki.scales == kHalf || ki.scales == kHalfMin) {
+        a = halfs16(codes + code_bytes(KIND));
+        if constexpr (ki.scales == kHalfMin) b = halfs16(codes + code_bytes(KIND) + 32);
+      } else if constexpr (ki.scales == kK4) {
+        a = _mm512_mul_ps(dv, bytes16(unit + 64 + 16 * j, false));
+        b = _mm512_xor_ps(_mm512_mul_ps(dminv, bytes16(unit + 64 + 128 + 16 * j, false)), sign);
+      } else {
+        a = _mm512_mul_ps(dv, bytes16(unit + 32 + 16 * j, true));
+      }
+      __m512i P[MR];
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        if constexpr (has_min(KIND)) {
+          P[m] = _mm512_setzero_si512();
+        } else {
+          const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
+          const int32_t S = G == 32 ? s[0] + s[1] : s[0];
+          P[m] = _mm512_set1_epi32(-c * S);
+        }
+      }
+      if constexpr (ki.codes == kNib) {
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m512i v = _mm512_loadu_si512(codes + 64 * t);
+          const __m512i lo = _mm512_and_si512(v, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xq = x.q + (m0 + m) * x.K + k0;
+            P[m] = dot4(P[m], lo, xq + 4 * t);
+            P[m] = dot4(P[m], hi, xq + 16 + 4 * t);
+          }
+        }
+      } else if constexpr (ki.codes == kByte) {
+#pragma GCC unroll 8
+        for (int s = 0; s < G / 4; ++s) {
+          const __m512i v = _mm512_loadu_si512(codes + 64 * s);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x.q + (m0 + m) * x.K + k0 + 4 * s);
+        }
+      } else {  // 6-bit: the 4-bit plane (steps t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1)
+        const __m512i plane = _mm512_loadu_si512(codes + 128);
+        __m512i v[4];
+        for (int t = 0; t < 2; ++t) {
+          const __m512i n = _mm512_loadu_si512(codes + 64 * t);
+          v[t] = _mm512_and_si512(n, low4);
+          v[t + 2] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
+        }
+        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), hi2));
+        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), hi2));
+        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(plane, hi2));
+        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), hi2));
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v[s], x.q + (m0 + m) * x.K + k0 + 4 * s);
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
+        const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
+        acc[m] = _mm512_add_ps(
+            acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, P[m]), t)));
+        if constexpr (has_min(KIND))
+          acc[m] = _mm512_add_ps(acc[m],
+                                 no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, acc[m]);
+}
+
+constexpr int kVnniRows = 8;  // rows a register tile: 8 int32 sums + 8 fp32 accumulators
+
+template <int KIND, int MR>
+FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t c, int64_t units,
+                                            const Acts& x, int64_t m0, float* acc) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return rows_dispatch<KIND, MR - 1>(mr, data, c, units, x, m0, acc);
+  }
+  panel_rows_vnni<MR, KIND>(data, c, units, x, m0, acc);
+}
+
+template <int KIND>
+FT_TARGET_VNNI void panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                               int64_t M, float* y, int64_t N, const float* bias) {
+  alignas(64) float acc[kVnniRows * kPanel];
+  const int nv = pi.n1 - pi.n0;
+  const int64_t units = x.K / kKinds[KIND].unit;
+  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
+    rows_dispatch<KIND, kVnniRows>(mr, data, pi.c, units, x, m0, acc);
+    for (int m = 0; m < mr; ++m)
+      for (int o = 0; o < nv; ++o)
+        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                                   int64_t M, float* y, int64_t N, const float* bias) {
+  switch (pi.kind) {
+    case kNib32: return panel_vnni<kNib32>(data, pi, x, M, y, N, bias);
+    case kNib32Min: return panel_vnni<kNib32Min>(data, pi, x, M, y, N, bias);
+    case kByte32: return panel_vnni<kByte32>(data, pi, x, M, y, N, bias);
+    case kByte32Min: return panel_vnni<kByte32Min>(data, pi, x, M, y, N, bias);
+    case kNibK4: return panel_vnni<kNibK4>(data, pi, x, M, y, N, bias);
+    case kByteK4: return panel_vnni<kByteK4>(data, pi, x, M, y, N, bias);
+    default: return panel_vnni<kSixK6>(data, pi, x, M, y, N, bias);
+  }
+}
+
+// --- the AVX2 kernel (CPUs without AVX512-VNNI) -----------------------------------------------
+// The same layout and arithmetic with 8-lane vectors: a panel is two halves of 8 outputs, and
+// each 4-code step is vpmaddubsw (u8 x s8 -> pairs of int16) then vpmaddwd by ones (-> int32).
+// No pair can saturate: codes <= 63 give |pair| <= 16002, and Q8_0's biased codes are unbiased
+// first, its products taken as |q| x sign(q) * x (|pair| <= 32512), which sums to P directly.
+FT_TARGET_AVX2 FT_INLINE __m256 no_contract256(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+FT_TARGET_AVX2 FT_INLINE __m256i bcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+FT_TARGET_AVX2 FT_INLINE __m256i load_half(const uint8_t* p, int h) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+}
+
+// One step: 4 codes of each output (halves lo8, hi8) times the 4 x at xk + m * ldx, row m.
+template <int MR>
+FT_TARGET_AVX2 FT_INLINE void step_avx2(__m256i (&P)[MR][2], __m256i lo8, __m256i hi8,
+                                        bool signed_codes, const int8_t* xk, int64_t ldx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i cv[2] = {lo8, hi8}, sg[2] = {lo8, hi8};
+  if (signed_codes) {
+    for (int h = 0; h < 2; ++h) {
+      sg[h] = _mm256_xor_si256(cv[h], _mm256_set1_epi8(static_cast<char>(0x80)));  // u - 128
+      cv[h] = _mm256_abs_epi8(sg[h]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m256i xv = bcast4_256(xk + m * ldx);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i xs = signed_codes ? _mm256_sign_epi8(xv, sg[h]) : xv;
+      P[m][h] = _mm256_add_epi32(P[m][h],
+                                 _mm256_madd_epi16(_mm256_maddubs_epi16(cv[h], xs), ones));
+    }
+  }
+}
+
+// Rows [m0, m0 + MR) against one panel; acc_out [MR][16].
+template <int MR, int KIND>
+FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
+                                              const Acts& x, int64_t m0, float* acc_out) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int G = ki.group, PER = ki.unit / G;
+  const bool signed_codes = c == 128;  // Q8_0: products of the unbiased codes
+  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = data + u * unit_bytes(KIND);
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+      const int64_t k0 = u * ki.unit + j * G;
+      __m256i P[MR][2];
+      for (int m = 0; m < MR; ++m) {
+        int32_t init = 0;
+        if (!has_min(KIND) && !signed_codes) {
+          const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
+          init = -c * (G == 32 ? s[0] + s[1] : s[0]);
+        }
+        P[m][0] = P[m][1] = _mm256_set1_epi32(init);
+      }
+      const int8_t* xk = x.q + m0 * x.K + k0;
+      if constexpr (ki.codes == kNib) {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i v0 = load_half(codes + 64 * t, 0), v1 = load_half(codes + 64 * t, 1);
+          step_avx2<MR>(P, _mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), signed_codes,
+                        xk + 4 * t, x.K);
+          step_avx2<MR>(P, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), signed_codes,
+                        xk + 16 + 4 * t, x.K);
+        }
+      } else if constexpr (ki.codes == kByte) {
+        for (int s = 0; s < G / 4; ++s)
+          step_avx2<MR>(P, load_half(codes + 64 * s, 0), load_half(codes + 64 * s, 1),
+                        signed_codes, xk + 4 * s, x.K);
+      } else {
+        for (int s = 0; s < 4; ++s) {
+          __m256i v[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i n = load_half(codes + 64 * (s & 1), h), pl = load_half(codes + 128, h);
+            const __m256i lo = s < 2 ? _mm256_and_si256(n, low4)
+                                     : _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
+            const __m256i top = s == 0 ? _mm256_slli_epi16(pl, 4)
+                                : s == 1 ? _mm256_slli_epi16(pl, 2)
+                                : s == 2 ? pl : _mm256_srli_epi16(pl, 2);
+            v[h] = _mm256_or_si256(lo, _mm256_and_si256(top, hi2));
+          }
+          step_avx2<MR>(P, v[0], v[1], signed_codes, xk + 4 * s, x.K);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256 a, b = _mm256_setzero_ps();
+        const int o = 8 * h;
+        if constexpr (ki.scales == kHalf || ki.scales == kHalfMin) {
+          const uint8_t* sp = codes + code_bytes(KIND);
+          a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 2 * o)));
+          if constexpr (ki.scales == kHalfMin)
+            b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 2 * o)));
+        } else {
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(unit + 2 * o)));
+          const uint8_t* sc = unit + (ki.scales == kK4 ? 64 : 32) + 16 * j + o;
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+          a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ki.scales == kK4 ? _mm256_cvtepu8_epi32(s8)
+                                                                  : _mm256_cvtepi8_epi32(s8)));
+          if constexpr (ki.scales == kK4) {
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(unit + 32 + 2 * o)));
+            const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 128));
+            b = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
+                              _mm256_set1_ps(-0.f));
+          }
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
+          const __m256 t = no_contract256(_mm256_mul_ps(a, _mm256_set1_ps(x.d[xb])));
+          acc[m][h] = _mm256_add_ps(
+              acc[m][h], no_contract256(_mm256_mul_ps(_mm256_cvtepi32_ps(P[m][h]), t)));
+          if constexpr (has_min(KIND))
+            acc[m][h] = _mm256_add_ps(
+                acc[m][h], no_contract256(_mm256_mul_ps(b, _mm256_set1_ps(x.xs32[xb]))));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_out + m * kPanel + 8 * h, acc[m][h]);
+}
+
+template <int KIND>
+FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                               int64_t M, float* y, int64_t N, const float* bias) {
+  alignas(32) float acc[2 * kPanel];
+  const int nv = pi.n1 - pi.n0;
+  const int64_t units = x.K / kKinds[KIND].unit;
+  for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    const int mr = static_cast<int>(std::min<int64_t>(2, M - m0));
+    if (mr == 2) {
+      panel_rows_avx2<2, KIND>(data, pi.c, units, x, m0, acc);
+    } else {
+      panel_rows_avx2<1, KIND>(data, pi.c, units, x, m0, acc);
+    }
+    for (int m = 0; m < mr; ++m)
+      for (int o = 0; o < nv; ++o)
+        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+  }
+}
+
+FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                                   int64_t M, float* y, int64_t N, const float* bias) {
+  switch (pi.kind) {
+    case kNib32: return panel_avx2<kNib32>(data, pi, x, M, y, N, bias);
+    case kNib32Min: return panel_avx2<kNib32Min>(data, pi, x, M, y, N, bias);
+    case kByte32: return panel_avx2<kByte32>(data, pi, x, M, y, N, bias);
+    case kByte32Min: return panel_avx2<kByte32Min>(data, pi, x, M, y, N, bias);
+    case kNibK4: return panel_avx2<kNibK4>(data, pi, x, M, y, N, bias);
+    case kByteK4: return panel_avx2<kByteK4>(data, pi, x, M, y, N, bias);
+    default: return panel_avx2<kSixK6>(data, pi, x, M, y, N, bias);
+  }
+}
+
+// quantize_block compiled for AVX2 (nearbyint becomes one vroundps, not a libm call).
+FT_TARGET_AVX2 void quantize_blocks_avx2(const float* x, int8_t* q, float* d, int32_t* s16,
+                                         float* xs, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i)
+    quantize_block(x + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+}
+
+// The machine's int8 bound: 12 independent vpdpbusd chains on registers (64 products each).
+FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
+  __m512i acc[12];
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  for (int64_t it = 0; it < iters; ++it) {
+    for (int i = 0; i < 12; ++i) {
+      acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+      asm volatile("" : "+v"(acc[i]));
+    }
+  }
+  __m512i sum = acc[0];
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_epi32(sum, acc[i]);
+  alignas(64) int32_t lanes[16];
+  _mm512_store_si512(lanes, sum);
+  int32_t total = 0;
+  for (const int32_t v : lanes) total += v;
+  return total;
+}
+#endif
+
+bool cpu_has_vnni() {
+#if FT_HAS_ISA_VARIANTS
+  static const bool has = __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
+}  // namespace int8
+}  // namespace freetoken
