@@ -132,9 +132,11 @@ def test_kernel_choices_reach_ops_configure_before_the_model_loads(monkeypatch, 
         raise ValueError("refused here")
 
     monkeypatch.setattr(ops, "configure", configure)
-    argv = ["--kernels", "torch", "--linear", "panels", "--cpu-isa", "avx2", "--pool-poll-us", "5"]
+    argv = ["--kernels", "torch", "--linear", "panels", "--cpu-isa", "avx2", "--pool-poll-us", "5",
+            "--compute", "int8"]
     assert cli.main(argv) == 2
-    assert calls == [dict(backend="torch", linear="panels", cpu_isa="avx2", pool_poll_us=5)]
+    assert calls == [dict(backend="torch", linear="panels", cpu_isa="avx2", pool_poll_us=5,
+                          compute="int8")]
     assert "refused here" in capsys.readouterr().err
 
 
