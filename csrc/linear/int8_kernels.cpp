@@ -253,15 +253,9 @@ FT_TARGET_VNNI void panel_vnni(const uint8_t* data, const PanelInfo& pi, const A
 
 FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                    int64_t M, float* y, int64_t N, const float* bias) {
-  switch (pi.kind) {
-    case kNib32: return panel_vnni<kNib32>(data, pi, x, M, y, N, bias);
-    case kNib32Min: return panel_vnni<kNib32Min>(data, pi, x, M, y, N, bias);
-    case kByte32: return panel_vnni<kByte32>(data, pi, x, M, y, N, bias);
-    case kByte32Min: return panel_vnni<kByte32Min>(data, pi, x, M, y, N, bias);
-    case kNibK4: return panel_vnni<kNibK4>(data, pi, x, M, y, N, bias);
-    case kByteK4: return panel_vnni<kByteK4>(data, pi, x, M, y, N, bias);
-    default: return panel_vnni<kSixK6>(data, pi, x, M, y, N, bias);
-  }
+  with_kind(pi.kind, [&](auto kind) {
+    panel_vnni<decltype(kind)::value>(data, pi, x, M, y, N, bias);
+  });
 }
 
 // --- the AVX2 kernel (CPUs without AVX512-VNNI) -----------------------------------------------
@@ -420,15 +414,9 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
 
 FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                    int64_t M, float* y, int64_t N, const float* bias) {
-  switch (pi.kind) {
-    case kNib32: return panel_avx2<kNib32>(data, pi, x, M, y, N, bias);
-    case kNib32Min: return panel_avx2<kNib32Min>(data, pi, x, M, y, N, bias);
-    case kByte32: return panel_avx2<kByte32>(data, pi, x, M, y, N, bias);
-    case kByte32Min: return panel_avx2<kByte32Min>(data, pi, x, M, y, N, bias);
-    case kNibK4: return panel_avx2<kNibK4>(data, pi, x, M, y, N, bias);
-    case kByteK4: return panel_avx2<kByteK4>(data, pi, x, M, y, N, bias);
-    default: return panel_avx2<kSixK6>(data, pi, x, M, y, N, bias);
-  }
+  with_kind(pi.kind, [&](auto kind) {
+    panel_avx2<decltype(kind)::value>(data, pi, x, M, y, N, bias);
+  });
 }
 
 // quantize_block compiled for AVX2 (nearbyint becomes one vroundps, not a libm call).

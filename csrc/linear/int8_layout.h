@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "common/isa.h"
 #include "linear/gguf_blocks.h"
@@ -42,6 +43,20 @@ constexpr KindInfo kKinds[] = {{kNib, kHalf, 32, 32},   {kNib, kHalfMin, 32, 32}
                                {kByte, kHalf, 32, 32},  {kByte, kHalfMin, 32, 32},
                                {kNib, kK4, 32, 256},    {kByte, kK4, 32, 256},
                                {kSix, kK6, 16, 256}};
+
+// f(std::integral_constant<int, kind>{}): a kernel templated on the kind, picked at run time.
+template <typename F>
+inline void with_kind(int kind, F&& f) {
+  switch (kind) {
+    case kNib32: return f(std::integral_constant<int, kNib32>{});
+    case kNib32Min: return f(std::integral_constant<int, kNib32Min>{});
+    case kByte32: return f(std::integral_constant<int, kByte32>{});
+    case kByte32Min: return f(std::integral_constant<int, kByte32Min>{});
+    case kNibK4: return f(std::integral_constant<int, kNibK4>{});
+    case kByteK4: return f(std::integral_constant<int, kByteK4>{});
+    default: return f(std::integral_constant<int, kSixK6>{});
+  }
+}
 
 constexpr bool has_min(int kind) {
   return kKinds[kind].scales == kHalfMin || kKinds[kind].scales == kK4;

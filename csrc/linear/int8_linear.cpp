@@ -31,6 +31,7 @@
 
 #include "common/isa.h"
 #include "common/task_pool.h"
+#include "linear/gguf_args.h"
 #include "linear/int8_kernels.h"
 #include "linear/int8_layout.h"
 #include "linear/panel_common.h"
@@ -90,12 +91,7 @@ std::vector<std::string> int8_matrix_types() {
 bool int8_vnni_available() { return cpu_has_vnni(); }
 
 bool is_int8_matrix(const at::Tensor& weight) {
-  if (!weight.defined() || !weight.device().is_cpu() || weight.scalar_type() != at::kByte ||
-      weight.dim() != 1 || weight.numel() < kHeaderBytes)
-    return false;
-  int32_t magic;
-  std::memcpy(&magic, weight.data_ptr(), 4);
-  return magic == kMagic;
+  return gguf_args::has_magic(weight, kMagic, kHeaderBytes);
 }
 
 std::vector<int64_t> int8_matrix_shape(const at::Tensor& weight) {
@@ -106,14 +102,7 @@ std::vector<int64_t> int8_matrix_shape(const at::Tensor& weight) {
 at::Tensor int8_matrix_pack(const at::Tensor& base, const at::Tensor& row_offsets,
                             const std::vector<std::string>& types,
                             const std::vector<int64_t>& ends, int64_t K) {
-  TORCH_CHECK_VALUE(base.device().is_cpu() && base.scalar_type() == at::kByte && base.dim() == 1,
-                    "int8_matrix: base must be a 1-D uint8 CPU tensor (the file's mapping)");
-  TORCH_CHECK_VALUE(row_offsets.device().is_cpu() && row_offsets.scalar_type() == at::kLong &&
-                        row_offsets.dim() == 1 && row_offsets.numel() >= 1,
-                    "int8_matrix: row_offsets must be a 1-D int64 CPU tensor [N >= 1]");
-  const int64_t N = row_offsets.numel();
-  TORCH_CHECK_VALUE(!types.empty() && types.size() == ends.size() && ends.back() == N,
-                    "int8_matrix: types and ends are one per segment, the last end N = ", N);
+  const int64_t N = gguf_args::check_rows(base, row_offsets, types, ends, "int8_matrix");
   TORCH_CHECK_VALUE(K >= 32 && K <= INT32_MAX && N <= INT32_MAX, "int8_matrix: bad K ", K);
   const at::Tensor off = row_offsets.contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
@@ -209,18 +198,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
 at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
                               const c10::optional<at::Tensor>& bias) {
   const Matrix mat = read_matrix(weight, "int8_linear");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                        x.is_contiguous(),
-                    "int8_linear: x must be a contiguous 2-D fp32 CPU tensor [M, K]");
-  TORCH_CHECK_VALUE(x.size(1) == mat.K, "int8_linear: x has K = ", x.size(1),
-                    ", the weight has K = ", mat.K);
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                          bias->dim() == 1 && bias->size(0) == mat.N && bias->is_contiguous(),
-                      "int8_linear: bias must be a contiguous fp32 CPU tensor [", mat.N, "]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = gguf_args::check_call(x, mat.K, mat.N, bias, "int8_linear");
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, mat.N}, x.options());
   if (M == 0) return y;
