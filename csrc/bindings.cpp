@@ -116,6 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kNoGil, py::arg("base"), py::arg("row_offsets"), py::arg("types"), py::arg("ends"),
         py::arg("K"));
   m.def("int8_matrix_types", &freetoken::int8_matrix_types, "the GGUF types int8_matrix takes");
+  m.def("int8_bits_per_weight", &freetoken::int8_bits_per_weight,
+        "bits a weight of a GGUF type takes in an int8 matrix (codes and scales)", py::arg("type"));
   m.def("is_int8_matrix", &freetoken::is_int8_matrix, "True for an int8 matrix",
         py::arg("weight"));
   m.def("int8_matrix_unpack", &freetoken::int8_matrix_unpack,

@@ -123,6 +123,16 @@ def linear_variants(s: dict, rows=(1, 8, 16, 64)) -> dict:
 BW_READ = [20e9]  # set from the measurement before linear_variants runs
 
 
+def int8_gops_peak(threads: int) -> float | None:
+    """The int8 compute bound (GOP/s, 2 a product): the best of 5 rounds of register-only
+    vpdpbusd on `threads` threads (ops.int8_peak_gops); None without AVX512-VNNI."""
+    from freetoken import ops
+
+    if not ops.int8_vnni_available():
+        return None
+    return max(ops.int8_peak_gops(2_000_000, threads) for _ in range(5))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
@@ -173,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         f"lm_head_8x{h}x{v}": gemm_gflops(8, h, v, torch.float32),
     }
     peak = max(x for d in g.values() for x in d.values())
+    int8_peak = int8_gops_peak(args.threads)
     bw = bandwidth_gbs(args.bandwidth_mib << 20)
     if args.machine_only:
         print(f"fp32 GEMM peak {peak:.1f} GFLOP/s; read bandwidth {bw['read_gb_s']:.1f} GB/s",
               file=sys.stderr)
         print(json.dumps({"threads": args.threads, "gemm_gflops": g,
-                          "gemm_gflops_peak_fp32": peak, "bandwidth": bw}))
+                          "gemm_gflops_peak_fp32": peak, "int8_gops_peak": int8_peak,
+                          "bandwidth": bw}))
         return 0
     try:  # reported next to the fp32 rates, not part of the peak
         g["square_2048_bf16"] = gemm_gflops(2048, 2048, 2048, torch.bfloat16)
@@ -191,12 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     decode_ctx = args.decode_context or decode_context(args.results, args.label) or 70.0
     out = {
         "threads": args.threads, "model": {k: v for k, v in s.items() if k != "step_tensors"},
-        "gemm_gflops": g, "gemm_gflops_peak_fp32": peak,
+        "gemm_gflops": g, "gemm_gflops_peak_fp32": peak, "int8_gops_peak": int8_peak,
         "bandwidth": bw,
         "classify": {"prompt_tokens": prompt, "computed_tokens_per_request": computed,
                      "computed_tokens_source": source,
                      "gflop_per_request": fl_req / 1e9,
                      "bound_requests_per_s_fp32": peak * 1e9 / fl_req,
+                     "bound_requests_per_s_int8": (int8_peak * 1e9 / fl_req if int8_peak
+                                                   else None),
                      "gflop_per_request_no_cache": fl_req_full / 1e9,
                      "bound_requests_per_s_fp32_no_cache": peak * 1e9 / fl_req_full},
         "decode": {"context_mean": decode_ctx,

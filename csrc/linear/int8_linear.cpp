@@ -88,6 +88,13 @@ std::vector<std::string> int8_matrix_types() {
   return out;
 }
 
+double int8_bits_per_weight(const std::string& type) {
+  const int f = format_id(type);
+  TORCH_CHECK_VALUE(f >= 0, "int8_bits_per_weight: no int8 kernel for GGUF type ", type);
+  const int kind = kFormats[f].kind;
+  return 8.0 * static_cast<double>(unit_bytes(kind)) / (kPanel * kKinds[kind].unit);
+}
+
 bool int8_vnni_available() { return cpu_has_vnni(); }
 
 bool is_int8_matrix(const at::Tensor& weight) {

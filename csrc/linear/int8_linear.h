@@ -21,6 +21,9 @@ at::Tensor int8_matrix_pack(const at::Tensor& base, const at::Tensor& row_offset
 // The GGUF types int8_matrix_pack takes.
 std::vector<std::string> int8_matrix_types();
 
+// Bits a weight of GGUF type `type` takes in an int8 matrix (codes and scales; benchmarks).
+double int8_bits_per_weight(const std::string& type);
+
 // True when `weight` is an int8 matrix from int8_matrix_pack.
 bool is_int8_matrix(const at::Tensor& weight);
 

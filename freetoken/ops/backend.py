@@ -38,7 +38,7 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
               "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
               "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available",
-              "int8_peak_gops")
+              "int8_peak_gops", "int8_bits_per_weight")
 
 try:
     from freetoken import _C  # noqa: N813

@@ -115,6 +115,25 @@ def _dequantized_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]
     return sum(by_form.values()), by_form
 
 
+def int8_step_weights(s: dict) -> tuple[int, dict[str, int]]:
+    """(bytes, {form: bytes}) of the weights an int8-mode decode step reads: each matrix of a
+    type with an int8 kernel as its repacked copy (ops.int8_matrix: the codes and the file's
+    scale numbers, int8_bits_per_weight), the rest as the file's blocks (computed exact)."""
+    from freetoken.ops.backend import _C
+
+    types = set(_C.int8_matrix_types()) if _C is not None else set()
+    forms = []
+    for t in s["step_tensors"]:
+        if t["dims"] >= 2 and t["type"] in types:
+            bits = _C.int8_bits_per_weight(t["type"])
+            forms.append((f"int8 copy of {t['type']}", int(t["elements"] * bits / 8)))
+        else:
+            forms.append((f"{t['type']} {'blocks' if t['dims'] >= 2 else 'vectors'}",
+                          t["bytes"]))
+    by_form = _by_type(forms)
+    return sum(by_form.values()), by_form
+
+
 def _forms(by_form: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 1e6:.{0 if v >= 1e7 else 1}f} MB"
                      for k, v in sorted(by_form.items(), key=lambda kv: -kv[1]))
@@ -136,10 +155,13 @@ def decode_bytes(s: dict, block_types=None) -> dict:
     linear_params = s["layers"] * s["linear_params_per_layer"] + s["lm_head_params"]
     fp32_weights, fp32_forms = fp32_step_weights(s, block_types)
     file_forms = _by_type((t["type"], t["bytes"]) for t in s["step_tensors"])
+    int8_weights, int8_forms = int8_step_weights(s)
     return {
         # in place over 1 GiB as fp32; below, few-row steps read the Q4_1 / Q8_0 blocks
         "freetoken-fp32": {"weights": fp32_weights, "kv_per_token": 4 * kv_elems,
                            "weights_read_as": f"{_forms(fp32_forms)}, fp32 KV"},
+        "freetoken-int8": {"weights": int8_weights, "kv_per_token": 4 * kv_elems,
+                           "weights_read_as": f"{_forms(int8_forms)}, fp32 KV"},
         "freetoken-bf16": {"weights": 2 * linear_params, "kv_per_token": 2 * kv_elems,
                            "weights_read_as": "bf16 panels, bf16 KV"},
         "llama-server": {"weights": s["gguf_step_bytes"], "kv_per_token": 2 * kv_elems,

@@ -21,6 +21,7 @@ import statistics
 
 STREAMS = {"decode": 8, "decode-1": 1}
 REF = "freetoken-fp32"
+INT8 = "freetoken-int8"
 PEER = "llama-server"  # the column every ratio is taken against
 
 
@@ -71,7 +72,7 @@ def bytes_key(system: str) -> str | None:
     """The key of compute_bound.py's decode bytes that `system` reads."""
     if system.startswith("llama-server"):
         return "llama-server"
-    return system if system in ("freetoken-fp32", "freetoken-bf16") else None
+    return system if system in ("freetoken-fp32", "freetoken-bf16", "freetoken-int8") else None
 
 
 def machine_of(bounds: dict) -> dict:
@@ -175,6 +176,7 @@ def _f(x, nd=2):
 
 COLUMNS = [("freetoken-fp32", "FreeToken, fp32 compute"),
            ("freetoken-bf16", "FreeToken, bf16 compute"),
+           ("freetoken-int8", "FreeToken, int8 compute"),
            ("llama-server", "llama-server, best of -t 1 / -t 2"),
            ("transformers-naive", "transformers"),
            ("transformers-prefix", "transformers, prefix KV reused")]
@@ -322,6 +324,33 @@ class Report:
                                  s[metric(wl)] / default[metric(wl)]))
             if self.bounds:
                 rows += self.bound_rows(wl, v)
+            rows += self.int8_rows(wl, v)
+        return rows
+
+    def int8_rows(self, wl: str, fp32_value: float) -> list[tuple[str, str, float]]:
+        """The int8 mode against llama-server, the exact mode and its own bound."""
+        ours = self.best.get((wl, INT8))
+        if not ours or not ours[1][metric(wl)]:
+            return []
+        v, rows = ours[1][metric(wl)], []
+        other = self.best.get((wl, PEER))
+        if other and other[1][metric(wl)]:
+            rows.append((wl, f"FreeToken int8 / {PEER} (best row: {other[0]})",
+                         v / other[1][metric(wl)]))
+        rows.append((wl, "FreeToken int8 / FreeToken fp32", v / fp32_value))
+        b = self.bounds
+        if not b:
+            return rows
+        if wl == "classify" and b.get("int8_gops_peak"):
+            bound = b["int8_gops_peak"] / b["classify"]["gflop_per_request"]
+            rows.append((wl, f"FreeToken int8 / int8 compute bound of the tokens it computed "
+                         f"({bound:.1f} req/s: the machine's vpdpbusd rate, "
+                         f"{b['int8_gops_peak']:.0f} GOP/s)", v / bound))
+        elif wl in STREAMS and INT8 in b["decode"]["bytes"]:
+            d = decode_bound(b, INT8, STREAMS[wl], machine_of(b))
+            rows.append((wl, f"FreeToken int8 / bandwidth bound of the bytes it reads "
+                         f"({d['step_bytes'] / 1e6:.0f} MB a step: {d['bandwidth']:.0f} tok/s)",
+                         v / d["bandwidth"]))
         return rows
 
     def bound_rows(self, wl: str, value: float) -> list[tuple[str, str, float]]:
