@@ -124,6 +124,39 @@ def test_a_column_shows_its_best_row_and_passive_rows_compete_for_none():
     assert "(4.14x)" in report.readme_summary()
 
 
+def test_the_int8_row_is_held_to_llama_server_fp32_and_its_own_bounds():
+    recs = [{"workload": wl, "system": s, "column": s.rsplit("-t", 1)[0], metric: v,
+             "loadavg_before": [1.0]}
+            for wl, metric, rows in [
+                ("classify", "requests_per_s", [("llama-server-t2", 4.0),
+                                                ("freetoken-fp32", 6.0),
+                                                ("freetoken-int8", 12.0)]),
+                ("decode", "output_tokens_per_s", [("llama-server-t2", 70.0),
+                                                   ("freetoken-fp32", 60.0),
+                                                   ("freetoken-int8", 140.0)])]
+            for s, v in rows]
+    # int8 bound: 400 GOP/s / 20 GFLOP a request = 20 req/s; decode x8: 100 MB of weights +
+    # 8 x 10 x 1 MB of KV = 180 MB a step at 45 GB/s -> 2000 tok/s
+    bounds = {"int8_gops_peak": 400.0, "gemm_gflops_peak_fp32": 450.0,
+              "bandwidth": {"read_gb_s": 45.0},
+              "classify": {"gflop_per_request": 20.0},
+              "decode": {"context_mean": 10.0, "flops_per_token": 1e9,
+                         "bytes": {k: {"weights": 100e6, "kv_per_token": 1e6}
+                                   for k in ("freetoken-fp32", "freetoken-int8",
+                                             "llama-server")}}}
+    report = pr.Report(recs, bounds, {}, {"started": "now", "reps": 1, "threads": 2}, 60.0)
+    rows = {(a, b): c for a, b, c in report.ratio_rows(["classify", "decode"])
+            if b.startswith("FreeToken int8")}
+    peer = "FreeToken int8 / llama-server (best row: llama-server-t2)"
+    assert rows[("classify", peer)] == pytest.approx(12 / 4)
+    assert rows[("decode", peer)] == pytest.approx(140 / 70)
+    assert rows[("classify", "FreeToken int8 / FreeToken fp32")] == pytest.approx(2.0)
+    bound = [v for (w, k), v in rows.items() if k.startswith("FreeToken int8 / int8 compute")]
+    assert bound == [pytest.approx(12 / 20)]
+    band = [v for (w, k), v in rows.items() if k.startswith("FreeToken int8 / bandwidth bound")]
+    assert band == [pytest.approx(140 / 2000)]
+
+
 @pytest.mark.parametrize("leaked", ["OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT",
                                     "KMP_BLOCKTIME", "MKL_NUM_THREADS"])
 def test_peers_run_in_their_default_environment(monkeypatch, leaked):
