@@ -66,7 +66,7 @@ void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias);
 
-// 12 independent register vpdpbusd chains, `iters` rounds (int8_peak_gops).
+// 12 independent register vpdpbusd chains, `iters` rounds (int8_peak_gops); returns 0.
 int32_t vnni_chains(int64_t iters);
 
 // True when the CPU has AVX512-VNNI (and BW, VL).
