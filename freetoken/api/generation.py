@@ -5,6 +5,9 @@ JSON response or streamed as SSE chunks.
 Reliability (docs/reliability.md): every request is watched for its deadline
 (`--request-timeout`) and for the engine loop's death, and its engine requests are aborted -- their
 KV freed -- when it times out, fails, its client leaves, or the server stops past its grace.
+Backpressure (docs/api.md, "Under load"): a stream whose client stops reading pauses its engine
+requests once `--stream-max-unread` chunks wait unsent, and is aborted when one chunk waits longer
+than `--stream-send-timeout`.
 
 What it is not: validation (protocol.py), the response shapes (responses.py), the body limits
 (body.py) or error rendering (middleware.py); an error after a stream started is the one thing
@@ -23,13 +26,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from freetoken.api.body import BodyReader, decode_json
 from freetoken.api.engine_client import EngineClient
 from freetoken.api.metrics import Metrics
 from freetoken.api.middleware import ClientGone, access_log
+from freetoken.config import ServerConfig
 from freetoken.errors import (
     EngineDead,
     FreeTokenError,
@@ -72,12 +76,16 @@ class Generation:
         *,
         metrics: Metrics,
         request_timeout_s: float | None = None,
+        stream_max_unread: int = ServerConfig.stream_max_unread,
+        stream_send_timeout_s: float | None = ServerConfig.stream_send_timeout_s,
     ):
         self.engine = engine
         self.reader = reader
         self.model_name = reader.served_model_name
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s or None
+        self.stream_max_unread = stream_max_unread
+        self.stream_send_timeout_s = stream_send_timeout_s or None
         # engine requests one HTTP request may hold (prompts x n): more could never be queued
         self.max_queue_len = engine.config.max_queue_len
         self.inflight: set[str] = set()  # engine request ids of the requests being served
@@ -116,13 +124,14 @@ class Generation:
         jobs: list[ChoiceJob] = []
         state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
         tok = self.reader.tokenizer
+        kw = {"max_unread": self.stream_max_unread} if parsed.stream else {}
         try:
             for i, prompt in enumerate(parsed.prompts):
                 for j in range(parsed.n):
                     index = i * parsed.n + j
                     erid = f"{rid}-{index}"
                     stream = self.engine.submit(
-                        prompt.ids, parsed.choice_params(j), request_id=erid
+                        prompt.ids, parsed.choice_params(j), request_id=erid, **kw
                     )
                     self.inflight.add(erid)
                     jobs.append(ChoiceJob(index, erid, stream, state_cls(tok, parsed, prompt)))
@@ -146,11 +155,13 @@ class Generation:
             unfinished = {job.request_id for job in jobs}
             # NOTE: a client gone before the body starts never runs the generator's `finally`;
             # the background task (run by starlette after a disconnect too) aborts for it.
-            return StreamingResponse(
+            return _TimedStream(
                 self._stream(request, parsed, rid, jobs, chat, t0, unfinished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
                 background=BackgroundTask(self._finish_stream, unfinished, jobs),
+                send_timeout_s=self.stream_send_timeout_s,
+                on_timeout=lambda: self._send_timed_out(rid, unfinished, jobs),
             )
         return await self._collect(request, parsed, rid, jobs, chat, t0)
 
@@ -265,6 +276,12 @@ class Generation:
 
     # ---- stream ------------------------------------------------------------------------------
 
+    def _send_timed_out(self, rid: str, unfinished: set[str], jobs: list[ChoiceJob]) -> None:
+        logger.warning("%s: the client read nothing for %gs (--stream-send-timeout): aborted",
+                       rid, self.stream_send_timeout_s)
+        self.metrics.send_timeouts.inc()
+        self._finish_stream(unfinished, jobs)
+
     def _finish_stream(self, unfinished: set[str], jobs: list[ChoiceJob]) -> None:
         for erid in list(unfinished):
             self.engine.abort(erid)
@@ -274,7 +291,9 @@ class Generation:
     async def _stream(self, request, parsed, rid, jobs: list[ChoiceJob], chat, t0, unfinished):
         created = int(time.time())
         model = self.model_name
-        queue: asyncio.Queue = asyncio.Queue()
+        # NOTE: bounded, so the deltas of a stream that is not being sent wait in its
+        # RequestStream, where they count towards pausing it (backpressure)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs) + 1)
 
         async def pump(job: ChoiceJob):
             try:
@@ -341,6 +360,31 @@ class Generation:
                 t.cancel()
             self._finish_stream(unfinished, jobs)
         yield b"data: [DONE]\n\n"
+
+
+class _TimedStream(StreamingResponse):
+    """A StreamingResponse whose every send may wait at most `send_timeout_s` for the client to
+    read (None: forever). Past it, `on_timeout()` aborts the engine requests and the connection
+    is closed, so a client that stopped reading holds neither KV nor a task."""
+
+    def __init__(self, content, *, send_timeout_s: float | None, on_timeout, **kw):
+        super().__init__(content, **kw)
+        self.send_timeout_s = send_timeout_s
+        self.on_timeout = on_timeout
+
+    async def stream_response(self, send) -> None:
+        if self.send_timeout_s is None:
+            return await super().stream_response(send)
+
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except TimeoutError:
+                self.on_timeout()
+                await self.body_iterator.aclose()
+                raise ClientDisconnect() from None
+
+        await super().stream_response(timed_send)
 
 
 def _sse(obj: Any) -> bytes:

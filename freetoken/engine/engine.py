@@ -88,7 +88,8 @@ class Engine:
                               fingerprint=loaded.fingerprint)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, self.eos_token_ids,
-                                   enable_partial_reuse=config.enable_partial_block_reuse)
+                                   enable_partial_reuse=config.enable_partial_block_reuse,
+                                   policy=config.pressure_policy())
         self.runner = Runner(self.model, self.kv, Sampler(self.model.device), self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -132,14 +133,18 @@ class Engine:
 
     # -- the asyncio side -------------------------------------------------------------------
     def submit(self, prompt_ids: Seq[int], params: SamplingParams,
-               request_id: str | None = None, fork_from: str | None = None) -> RequestStream:
+               request_id: str | None = None, fork_from: str | None = None,
+               max_unread: int | None = None) -> RequestStream:
         """Queue one request; returns its stream. Call from the event loop (or any thread that
         runs one). Raises InvalidRequest / ContextTooLong / Overloaded / EngineDead.
         fork_from: the id of a request submitted earlier whose prompt is a prefix of this one's:
-        its KV for those tokens is shared, never recomputed (scheduler.py, forks)."""
+        its KV for those tokens is shared, never recomputed (scheduler.py, forks).
+        max_unread: backpressure; once this many deltas wait unread in the stream, the request
+        is paused (not scheduled, its KV the first to go) until its reader catches up."""
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        stream = RequestStream(rid, loop)
+        stream = RequestStream(rid, loop, max_unread,
+                               lambda paused: self._inbox.put(("pause", (rid, paused))))
         self.add_request(prompt_ids, params, rid, stream._post, fork_from)
         return stream
 
@@ -215,6 +220,9 @@ class Engine:
             "prefix_queries": self.pool.num_query_tokens,
             "prefix_hits": self.pool.num_hit_tokens,
             "num_preemptions": s.num_preemptions,
+            "preemptions_by_cause": dict(s.stats.preemptions),
+            "num_paused": s.num_paused,
+            "queue_time": s.stats.queue_histograms(),
             **self.totals,
             "finish_reasons": dict(self.finish_reasons),
         }
@@ -312,6 +320,8 @@ class Engine:
             seq = self.scheduler.abort(obj)
             if seq is not None:
                 self._post(seq)
+        elif kind == "pause":
+            self.scheduler.set_paused(*obj)
 
     def _step(self) -> None:
         """One step. NOTE: an exception fails only the sequences of this step (finish_reason
