@@ -8,9 +8,10 @@ Policy, decided once:
     and the next chunk of a chunked prefill share the per-step token budget
     (max_num_batched_tokens). Then waiting sequences are admitted in that order while budget,
     max_num_seqs and free blocks allow; a prefill larger than the remaining budget is chunked.
-    Paused sequences (their stream's client stopped reading) are skipped and hold no seat. A waiting sequence whose next full block is being computed by
-    a running prefill steps aside (it keeps its place) until that block is indexed, so
-    prompts that arrive together and share a prefix compute it once.
+    Paused sequences (their stream's client stopped reading) are skipped and hold no seat. A
+    waiting sequence whose next full block is being computed by a running prefill steps aside
+    (it keeps its place) until that block is indexed, so prompts that arrive together and
+    share a prefix compute it once.
   * Admission, two calls to the pool: find_cached_prefix (capped at len-1 tokens) -- full
     blocks, then a partial block (the donor's first m slots are copied into the sequence's fresh
     block by the runner, the donor pinned for the step) -- then admit, which takes those and
@@ -20,10 +21,13 @@ Policy, decided once:
     the running set's projected KV peak fits (pressure.py).
   * Pool full while growing a running sequence: preempt a paused sequence, else the worst
     running one (lowest priority, newest: the least work lost; free its blocks, reset it to
-    WAITING in its place in the queue) and retry; recompute later, mostly
-    from the prefix cache, as its full blocks stay indexed. The oldest sequence always makes
-    progress, and Engine.submit refuses sequences longer than the pool, so a lone sequence
-    always fits: no deadlock, no dropped request. No admission in a step that preempted.
+    WAITING in its place in the queue) and retry; recompute later, mostly from the prefix
+    cache, as its full blocks stay indexed. The oldest sequence always makes progress, and
+    Engine.submit refuses sequences longer than the pool, so a lone sequence always fits: no
+    deadlock, no dropped request. Only short work is admitted in a step that preempted.
+  * Short work (pressure.py) that finds no seat or no blocks preempts a paused sequence, else
+    the worst running one if it is long and of no better priority; a better priority may
+    preempt a worse one (vLLM's priority policy). Nothing admitted in this step is taken back.
   * Forks (scoring: a query shared by items, an item shared by labels): a sequence added with
     `fork_from` shares its parent's KV of the parent's prompt -- the full blocks by reference,
     the partial last block copied as a partial prefix hit is -- whether or not the prefix cache
@@ -304,9 +308,9 @@ class Scheduler:
         headroom = p.long_headroom(self.pool.num_blocks)
         if not p.projected:
             return self.pool.num_free_blocks - chunk_blocks >= headroom
-        idle = sum(len(s.block_table) for s in (*self.held, *self.running) if s.paused
-                   or s.is_finished)
-        capacity = self.pool.num_blocks - headroom - idle
+        # NOTE: held parents' and paused sequences' blocks are not counted: they are given up
+        # before any running work is
+        capacity = self.pool.num_blocks - headroom
         return projected_peak([*active, seq], self.block_size, p, self.max_model_len) <= capacity
 
     def schedule(self) -> SchedulerOutput:
@@ -350,12 +354,13 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
             short = p.is_short(seq)
-            if seq.paused or (held and not short):
-                i += 1
+            if seq.paused or (held and not short) or seq in out.preempted:
+                i += 1  # a sequence preempted in this step is not taken back in it
                 continue
             if sum(not s.paused for s in self.running) >= self.max_num_seqs:
                 if self._displace(seq, fresh, out, seat=True):
                     budget = self.max_num_batched_tokens - out.num_tokens
+                    i = self.waiting.index(seq)  # the victim went back into the queue
                     continue
                 if p.short_max_tokens < 0:
                     break
@@ -393,6 +398,7 @@ class Scheduler:
                         self._release_held()  # nothing runs to free blocks: held ones must go
                     # and this sequence tries again (from the cache), with the budget given back
                     budget = self.max_num_batched_tokens - out.num_tokens
+                    i = self.waiting.index(seq)
                     continue
             if blocks is None:
                 if p.short_max_tokens < 0:
