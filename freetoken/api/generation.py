@@ -124,14 +124,13 @@ class Generation:
         jobs: list[ChoiceJob] = []
         state_cls = responses.ChatChoiceState if chat else responses.ChoiceState
         tok = self.reader.tokenizer
-        kw = {"max_unread": self.stream_max_unread} if parsed.stream else {}
         try:
             for i, prompt in enumerate(parsed.prompts):
                 for j in range(parsed.n):
                     index = i * parsed.n + j
                     erid = f"{rid}-{index}"
                     stream = self.engine.submit(
-                        prompt.ids, parsed.choice_params(j), request_id=erid, **kw
+                        prompt.ids, parsed.choice_params(j), request_id=erid
                     )
                     self.inflight.add(erid)
                     jobs.append(ChoiceJob(index, erid, stream, state_cls(tok, parsed, prompt)))
@@ -291,17 +290,24 @@ class Generation:
     async def _stream(self, request, parsed, rid, jobs: list[ChoiceJob], chat, t0, unfinished):
         created = int(time.time())
         model = self.model_name
-        # NOTE: bounded, so the deltas of a stream that is not being sent wait in its
-        # RequestStream, where they count towards pausing it (backpressure)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs) + 1)
+        queue: asyncio.Queue = asyncio.Queue()
+        # backpressure: a choice's chunks waiting in `queue`; past the bound its engine request
+        # is paused until the client has read half of them
+        unread = dict.fromkeys((job.index for job in jobs), 0)
+        paused: set[int] = set()
+        erids = {job.index: job.request_id for job in jobs}
 
         async def pump(job: ChoiceJob):
             try:
                 async for out in job.stream:
                     self.check_output(out)
                     await queue.put((job.index, job.state.feed(out), None))
+                    unread[job.index] += 1
                     if out.finished:
                         unfinished.discard(job.request_id)
+                    elif unread[job.index] >= self.stream_max_unread and job.index not in paused:
+                        paused.add(job.index)
+                        self.engine.pause(job.request_id, True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- forwarded to the SSE loop
@@ -325,6 +331,10 @@ class Generation:
                 if frag is None:
                     pending -= 1
                     continue
+                unread[index] -= 1
+                if index in paused and unread[index] <= self.stream_max_unread // 2:
+                    paused.discard(index)
+                    self.engine.pause(erids[index], False)
                 if not got_first:
                     got_first = True
                     self.metrics.ttft.observe(time.perf_counter() - t0)

@@ -133,24 +133,25 @@ class Engine:
 
     # -- the asyncio side -------------------------------------------------------------------
     def submit(self, prompt_ids: Seq[int], params: SamplingParams,
-               request_id: str | None = None, fork_from: str | None = None,
-               max_unread: int | None = None) -> RequestStream:
+               request_id: str | None = None, fork_from: str | None = None) -> RequestStream:
         """Queue one request; returns its stream. Call from the event loop (or any thread that
         runs one). Raises InvalidRequest / ContextTooLong / Overloaded / EngineDead.
         fork_from: the id of a request submitted earlier whose prompt is a prefix of this one's:
-        its KV for those tokens is shared, never recomputed (scheduler.py, forks).
-        max_unread: backpressure; once this many deltas wait unread in the stream, the request
-        is paused (not scheduled, its KV the first to go) until its reader catches up."""
+        its KV for those tokens is shared, never recomputed (scheduler.py, forks)."""
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        stream = RequestStream(rid, loop, max_unread,
-                               lambda paused: self._inbox.put(("pause", (rid, paused))))
+        stream = RequestStream(rid, loop)
         self.add_request(prompt_ids, params, rid, stream._post, fork_from)
         return stream
 
     def abort(self, request_id: str) -> None:
         """The client went away: finish the request with "abort" and free its KV."""
         self._inbox.put(("abort", request_id))
+
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Backpressure: stop scheduling the request (its KV is the first to be preempted), or
+        carry on. Unknown or finished ids are no-ops."""
+        self._inbox.put(("pause", (request_id, paused)))
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str,
                     sink: Callable[[RequestOutput], None], fork_from: str | None = None) -> None:

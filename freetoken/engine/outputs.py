@@ -9,7 +9,6 @@ holds (sequence.py) or how the HTTP edge renders it (responses.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -43,34 +42,19 @@ class RequestOutput:
 
 
 class RequestStream:
-    """Async iterator of one request's RequestOutput deltas; the last has finished=True.
+    """Async iterator of one request's RequestOutput deltas; the last has finished=True."""
 
-    Backpressure: with `max_unread`, once that many deltas wait unread, `on_pause(True)` asks the
-    engine to stop scheduling the request; `on_pause(False)` resumes it when the reader has
-    caught up to half of that."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 max_unread: int | None = None, on_pause: Callable[[bool], None] | None = None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._done = False
-        self._max_unread = max_unread if on_pause is not None else None
-        self._on_pause = on_pause
-        self.paused = False
 
     def _post(self, out: RequestOutput) -> None:  # engine thread
         try:
-            self._loop.call_soon_threadsafe(self._put, out)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
-
-    def _put(self, out: RequestOutput) -> None:  # event loop
-        self._queue.put_nowait(out)
-        if (self._max_unread is not None and not self.paused and not out.finished
-                and self._queue.qsize() >= self._max_unread):
-            self.paused = True
-            self._on_pause(True)
 
     def __aiter__(self):
         return self
@@ -81,9 +65,6 @@ class RequestStream:
         out = await self._queue.get()
         if out.finished:
             self._done = True
-        elif self.paused and self._queue.qsize() <= self._max_unread // 2:
-            self.paused = False
-            self._on_pause(False)
         return out
 
 
