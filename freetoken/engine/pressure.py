@@ -70,6 +70,37 @@ def projected_peak(seqs: Iterable, block_size: int, policy: PressurePolicy,
     return peak
 
 
+def admits_long(policy: PressurePolicy, seq, active: list, pool, chunk_blocks: int,
+                max_model_len: int) -> bool:
+    """A long sequence's admission test: it leaves the watermark and the short reserve free,
+    and (policy.projected) the projected KV peak of the `active` (running, unpaused) sequences
+    with it fits the rest. With nothing active it always passes, so the oldest work runs.
+    NOTE: held parents' and paused sequences' blocks are not counted: they are given up before
+    any running work is."""
+    if not active:
+        return True
+    headroom = policy.long_headroom(pool.num_blocks)
+    if not policy.projected:
+        return pool.num_free_blocks - chunk_blocks >= headroom
+    peak = projected_peak([*active, seq], pool.block_size, policy, max_model_len)
+    return peak <= pool.num_blocks - headroom
+
+
+def displacement(policy: PressurePolicy, seq, victim, pool=None) -> str | None:
+    """Why the running `victim` gives way to the waiting `seq` ("priority", "short"), or None.
+    For blocks (`pool` given), short work displaces only while it fits the short reserve: a
+    big prompt would cost its victims more recompute than it saves; it waits its turn."""
+    if victim.priority > seq.priority:
+        return "priority"
+    if not policy.is_short(seq) or policy.is_short(victim) or victim.priority < seq.priority:
+        return None
+    if pool is not None:
+        reserve = max(1, int(pool.num_blocks * policy.short_reserve))
+        if -(-seq.num_tokens // pool.block_size) > reserve:
+            return None
+    return "short"
+
+
 class PressureStats:
     """Preemptions by cause and queue time (arrival to first admission) by request size."""
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from freetoken.engine.kv_cache import BlockPool, CachedPrefix
 from freetoken.engine.outputs import TokenLogprob
-from freetoken.engine.pressure import PressurePolicy, PressureStats, projected_peak
+from freetoken.engine.pressure import PressurePolicy, PressureStats, admits_long, displacement
 from freetoken.engine.sequence import Sequence, SequenceStatus
 
 
@@ -283,12 +283,8 @@ class Scheduler:
         if not old:
             return False
         victim = old[-1]
-        if victim.priority > seq.priority:
-            cause = "priority"
-        elif (self.policy.is_short(seq) and not self.policy.is_short(victim)
-              and victim.priority >= seq.priority):
-            cause = "short"
-        else:
+        cause = displacement(self.policy, seq, victim, None if seat else self.pool)
+        if cause is None:
             return False
         self._unschedule(victim, out)
         self._preempt(victim, cause, out)
@@ -296,22 +292,6 @@ class Scheduler:
 
     def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
         out.scheduled = [item for item in out.scheduled if item.seq is not seq]
-
-    def _fits_long(self, seq: Sequence, chunk_blocks: int) -> bool:
-        """A long sequence's admission test: it leaves the watermark and the short reserve free,
-        and (policy.projected) the running set's projected KV peak with it fits the rest. With
-        nothing else running it always passes, so the oldest work always runs."""
-        p = self.policy
-        active = [s for s in self.running if not s.paused]
-        if not active:
-            return True
-        headroom = p.long_headroom(self.pool.num_blocks)
-        if not p.projected:
-            return self.pool.num_free_blocks - chunk_blocks >= headroom
-        # NOTE: held parents' and paused sequences' blocks are not counted: they are given up
-        # before any running work is
-        capacity = self.pool.num_blocks - headroom
-        return projected_peak([*active, seq], self.block_size, p, self.max_model_len) <= capacity
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -389,8 +369,10 @@ class Scheduler:
             num_cached = prefix.num_cached_tokens
             n = min(seq.num_tokens - num_cached, budget)
             blocks = None
-            if short or plain or self._fits_long(
-                    seq, -(-(num_cached + n) // self.block_size) - len(prefix.block_ids)):
+            if short or plain or admits_long(
+                    p, seq, [s for s in self.running if not s.paused], self.pool,
+                    -(-(num_cached + n) // self.block_size) - len(prefix.block_ids),
+                    self.max_model_len):
                 blocks = self.pool.admit(prefix, num_cached + n, seq.num_tokens)
                 if blocks is None and (self._displace(seq, fresh, out, seat=False)
                                        or (not self.running and self.held)):
