@@ -2,9 +2,10 @@
 """KV-pressure benchmark (issue 25): long greedy generations (`ignore_eos`) from C clients, each
 sending its next one as soon as the last ends, against a fresh `python -m freetoken` server.
 
-  * lower concurrencies (--levels): generation tokens/s of the long load alone;
-  * saturation (--clients, 100): the same load plus a classify request (`max_tokens: 1`)
-    every --classify-every seconds: its p50 / p99 latency, and generation tokens/s.
+  * lower concurrencies (--levels), then saturation (--clients, 100), each with a classify
+    request (`max_tokens: 1`) every --classify-every seconds beside the long load: generation
+    tokens/s and the classify p50 / p99 latency of each phase. The classify stream runs in every
+    phase, so the tokens/s of two phases differ by their concurrency only.
 
 Each phase warms up (--warmup s) and then measures (--window s); tokens/s is the server's own
 `vllm:generation_tokens` counter over the window. Between phases the clients disconnect (their
@@ -90,7 +91,7 @@ async def classify_loop(session, url: str, every: float, lat: list[float], error
         await asyncio.sleep(every)
 
 
-async def phase(url: str, clients: int, args, classify: bool) -> dict:
+async def phase(url: str, clients: int, args) -> dict:
     import aiohttp
 
     rng = random.Random(clients)
@@ -104,9 +105,8 @@ async def phase(url: str, clients: int, args, classify: bool) -> dict:
                  for _ in range(clients)]
         await asyncio.sleep(args.warmup)
         m0, t0 = scrape(url), time.perf_counter()
-        if classify:
-            tasks.append(asyncio.ensure_future(
-                classify_loop(session, url, args.classify_every, lat, errors, inflight, rng)))
+        tasks.append(asyncio.ensure_future(
+            classify_loop(session, url, args.classify_every, lat, errors, inflight, rng)))
         for k in range(int(args.window // 10)):
             await asyncio.sleep(10)
             m = scrape(url)
@@ -114,7 +114,7 @@ async def phase(url: str, clients: int, args, classify: bool) -> dict:
             log(f"  c={clients}: {10 * (k + 1)}s  {rate:.1f} tok/s  running "
                 f"{m['freetoken_requests_running']:.0f} waiting "
                 f"{m['freetoken_requests_waiting']:.0f} kv {m['freetoken_kv_blocks_used']:.0f}"
-                + (f"  classify {len(lat)} p99 {percentile(lat, 99):.2f}s" if classify else ""))
+                f"  classify {len(lat)} p99 {percentile(lat, 99):.2f}s")
         m1, t1 = scrape(url), time.perf_counter()
         unanswered = [t1 - start for start in inflight.values()]
         lat += unanswered  # a request still waiting counts with the time it has waited
@@ -124,12 +124,10 @@ async def phase(url: str, clients: int, args, classify: bool) -> dict:
     out = {"clients": clients, "tok_s": round((gen_tokens(m1) - gen_tokens(m0)) / (t1 - t0), 1),
            "preemptions": {re.search(r'cause="(\w+)"', k).group(1): v - m0.get(k, 0)
                            for k, v in m1.items() if "cause=" in k}}
-    if classify:
-        out.update(classify_n=len(lat), classify_unanswered=len(unanswered),
-                   classify_errors=len(errors),
-                   classify_p50_s=round(percentile(lat, 50), 3),
-                   classify_p99_s=round(percentile(lat, 99), 3),
-                   classify_max_s=round(max(lat, default=float("nan")), 3))
+    out.update(classify_n=len(lat), classify_unanswered=len(unanswered),
+               classify_errors=len(errors), classify_p50_s=round(percentile(lat, 50), 3),
+               classify_p99_s=round(percentile(lat, 99), 3),
+               classify_max_s=round(max(lat, default=float("nan")), 3))
     return out
 
 
@@ -149,8 +147,8 @@ def main() -> int:
     ap.add_argument("--levels", default="1,4,16,32", help="lower concurrencies, comma list")
     ap.add_argument("--max-tokens", type=int, default=2000)
     ap.add_argument("--classify-every", type=float, default=0.1, help="seconds")
-    ap.add_argument("--warmup", type=float, default=30.0, help="seconds before each window")
-    ap.add_argument("--window", type=float, default=60.0, help="seconds measured per phase")
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds before each window")
+    ap.add_argument("--window", type=float, default=120.0, help="seconds measured per phase")
     ap.add_argument("--server-args", default="", help="extra `python -m freetoken` flags")
     ap.add_argument("--url", help="an already running server instead of a fresh one")
     args = ap.parse_args()
@@ -165,12 +163,12 @@ def main() -> int:
         try:
             lower = []
             for c in levels:
-                log(f"phase: {c} clients x {args.max_tokens} tokens")
-                lower.append(asyncio.run(phase(url, c, args, classify=False)))
+                log(f"phase: {c} clients x {args.max_tokens} tokens, classify every "
+                    f"{args.classify_every}s")
+                lower.append(asyncio.run(phase(url, c, args)))
                 wait_idle(url)
-            log(f"phase: saturation, {args.clients} clients + classify every "
-                f"{args.classify_every}s")
-            sat = asyncio.run(phase(url, args.clients, args, classify=True))
+            log(f"phase: saturation, {args.clients} clients")
+            sat = asyncio.run(phase(url, args.clients, args))
         finally:
             if srv is not None:
                 srv.stop()
