@@ -117,6 +117,7 @@ async def phase(url: str, clients: int, args) -> dict:
                 f"  classify {len(lat)} p99 {percentile(lat, 99):.2f}s")
         m1, t1 = scrape(url), time.perf_counter()
         unanswered = [t1 - start for start in inflight.values()]
+        num_errors = len(errors)  # in the window (the ones cut off below are not counted)
         lat += unanswered  # a request still waiting counts with the time it has waited
         for t in tasks:
             t.cancel()
@@ -125,7 +126,7 @@ async def phase(url: str, clients: int, args) -> dict:
            "preemptions": {re.search(r'cause="(\w+)"', k).group(1): v - m0.get(k, 0)
                            for k, v in m1.items() if "cause=" in k}}
     out.update(classify_n=len(lat), classify_unanswered=len(unanswered),
-               classify_errors=len(errors), classify_p50_s=round(percentile(lat, 50), 3),
+               classify_errors=num_errors, classify_p50_s=round(percentile(lat, 50), 3),
                classify_p99_s=round(percentile(lat, 99), 3),
                classify_max_s=round(max(lat, default=float("nan")), 3))
     return out
