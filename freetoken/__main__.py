@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=sc.max_body_bytes,
         request_timeout_s=sc.request_timeout_s or None,
         allowed_origins=sc.allowed_origins,
+        stream_max_unread=sc.stream_max_unread,
+        stream_send_timeout_s=sc.stream_send_timeout_s or None,
     )
     log.info(
         "limits: max_queue_len=%d request_timeout=%s max_body_bytes=%d shutdown_grace=%gs "

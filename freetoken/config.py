@@ -147,10 +147,20 @@ class ServerConfig:
         "for any); without it no CORS headers are sent")
     log_level: str = _knob(
         "info", "log verbosity", choices=("debug", "info", "warning", "error"))
+    # Backpressure on streams (docs/api.md, "Under load")
+    stream_max_unread: int = _knob(
+        32, "a stream's chunks that may wait unsent (its client is not reading) before its "
+        "generation pauses: it is not scheduled and its KV is the first to be preempted; it "
+        "resumes when the client reads again", parse=positive_int)
+    stream_send_timeout_s: float = _knob(
+        30.0, "seconds one stream chunk may wait for its client to read; past it the stream is "
+        "aborted, its KV freed and the connection closed (0: wait forever)",
+        flag="--stream-send-timeout", parse=parse_seconds)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_batch_prompts", "max_body_bytes")
-        _check_non_negative(self, "request_timeout_s", "shutdown_grace_s", unit="seconds")
+        _check_positive(self, "max_batch_prompts", "max_body_bytes", "stream_max_unread")
+        _check_non_negative(self, "request_timeout_s", "shutdown_grace_s",
+                            "stream_send_timeout_s", unit="seconds")
         if isinstance(self.port, bool) or not isinstance(self.port, int) \
                 or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port!r}")
@@ -201,6 +211,23 @@ class EngineConfig:
     arrival_gap_ms: float = _knob(
         2.0, "an idle engine stops waiting for the rest of a burst once no request arrived for "
         "this long")
+    # Under KV pressure (engine/pressure.py, docs/api.md "Under load")
+    admission: str = _knob(
+        "projected", "when a long request is admitted: projected (only while the running "
+        "requests' projected KV peak still fits the pool, so admitted work is not preempted "
+        "later) or greedy (whenever its prompt fits, as vLLM)", choices=("projected", "greedy"))
+    kv_growth_horizon: int = _knob(
+        8, "tokens of growth projected for a request that may stop early, so each running "
+        "request has room for its next steps (one with ignore_eos is projected to its "
+        "max_tokens, which it will reach)", parse=positive_int)
+    kv_watermark: float = _knob(
+        0.01, "share of the KV pool a long admission leaves free (vLLM's watermark)")
+    short_max_tokens: int = _knob(
+        4, "requests with max_tokens <= this are short work (scoring, classification): they "
+        "pass long requests that wait for KV, may use the short reserve, and preempt the "
+        "newest long request of no better priority when they find no room (-1: none)")
+    short_kv_reserve: float = _knob(
+        0.05, "share of the KV pool that long admissions leave free for short work")
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -220,6 +247,18 @@ class EngineConfig:
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         _check_non_negative(self, "arrival_window_ms", "arrival_gap_ms", unit="ms")
+        if self.admission not in ("projected", "greedy"):
+            raise ValueError(f"admission must be projected or greedy, got {self.admission!r}")
+        _check_positive(self, "kv_growth_horizon")
+        for name in ("kv_watermark", "short_kv_reserve"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < 0.5:
+                raise ValueError(f"{name} must be a share of the pool in [0, 0.5), got {value!r}")
+        if isinstance(self.short_max_tokens, bool) or not isinstance(self.short_max_tokens, int) \
+                or self.short_max_tokens < -1:
+            raise ValueError("short_max_tokens must be an integer >= -1, got "
+                             f"{self.short_max_tokens!r}")
         for name in ("enable_prefix_cache", "enable_partial_block_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -237,6 +276,15 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         return getattr(torch, _DTYPES[self.dtype])
+
+    def pressure_policy(self):
+        """The scheduler's PressurePolicy from these knobs."""
+        from freetoken.engine.pressure import PressurePolicy
+
+        return PressurePolicy(projected=self.admission == "projected",
+                              watermark=self.kv_watermark, short_reserve=self.short_kv_reserve,
+                              short_max_tokens=self.short_max_tokens,
+                              growth_horizon=self.kv_growth_horizon)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """Blocks in the pool: num_kv_blocks, else the byte budget divided by one block's bytes."""

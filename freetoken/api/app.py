@@ -33,12 +33,15 @@ def create_app(
     max_body_bytes: int = ServerConfig.max_body_bytes,
     request_timeout_s: float | None = None,
     allowed_origins: Sequence[str] = (),
+    stream_max_unread: int = ServerConfig.stream_max_unread,
+    stream_send_timeout_s: float | None = ServerConfig.stream_send_timeout_s,
 ) -> Starlette:
     """The app over a started engine. The caller owns the engine's lifetime.
 
     api_key: one key or several (any of them is accepted); None or empty: no auth.
     request_timeout_s: the deadline of a generation request from arrival (None: none).
-    allowed_origins: CORS origins ("*" for any); empty: no CORS headers at all."""
+    allowed_origins: CORS origins ("*" for any); empty: no CORS headers at all.
+    stream_max_unread, stream_send_timeout_s: backpressure on streams (generation.py)."""
     metrics = Metrics(engine, served_model_name)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     reader = BodyReader(
@@ -48,7 +51,9 @@ def create_app(
         max_batch_prompts=max_batch_prompts,
         max_body_bytes=max_body_bytes,
     )
-    gen = Generation(engine, reader, metrics=metrics, request_timeout_s=request_timeout_s)
+    gen = Generation(engine, reader, metrics=metrics, request_timeout_s=request_timeout_s,
+                     stream_max_unread=stream_max_unread,
+                     stream_send_timeout_s=stream_send_timeout_s)
     scoring = Scoring(gen, reader)
     info = InfoRoutes(engine, reader, metrics=metrics)
     scaleout = ScaleOut(engine, reader)  # render endpoints, load reports

@@ -65,8 +65,13 @@ class EngineClient(Protocol):
         """Finish the request with "abort" and free its KV; unknown or finished ids are no-ops."""
         ...
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Backpressure on a stream: stop scheduling the request (paused) or resume it; unknown
+        or finished ids are no-ops."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """Live numbers for /metrics and the load reports: num_running, num_waiting,
         kv_blocks_used, kv_blocks_total, prefix_queries, prefix_hits, num_preemptions and the
-        *_total counters."""
+        *_total counters, num_paused, preemptions_by_cause, queue_time."""
         ...

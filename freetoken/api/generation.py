@@ -5,6 +5,9 @@ JSON response or streamed as SSE chunks.
 Reliability (docs/reliability.md): every request is watched for its deadline
 (`--request-timeout`) and for the engine loop's death, and its engine requests are aborted -- their
 KV freed -- when it times out, fails, its client leaves, or the server stops past its grace.
+Backpressure (docs/api.md, "Under load"): a stream whose client stops reading pauses its engine
+requests once `--stream-max-unread` chunks wait unsent, and is aborted when one chunk waits longer
+than `--stream-send-timeout`.
 
 What it is not: validation (protocol.py), the response shapes (responses.py), the body limits
 (body.py) or error rendering (middleware.py); an error after a stream started is the one thing
@@ -23,13 +26,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from freetoken.api.body import BodyReader, decode_json
 from freetoken.api.engine_client import EngineClient
 from freetoken.api.metrics import Metrics
 from freetoken.api.middleware import ClientGone, access_log
+from freetoken.config import ServerConfig
 from freetoken.errors import (
     EngineDead,
     FreeTokenError,
@@ -72,12 +76,16 @@ class Generation:
         *,
         metrics: Metrics,
         request_timeout_s: float | None = None,
+        stream_max_unread: int = ServerConfig.stream_max_unread,
+        stream_send_timeout_s: float | None = ServerConfig.stream_send_timeout_s,
     ):
         self.engine = engine
         self.reader = reader
         self.model_name = reader.served_model_name
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s or None
+        self.stream_max_unread = stream_max_unread
+        self.stream_send_timeout_s = stream_send_timeout_s or None
         # engine requests one HTTP request may hold (prompts x n): more could never be queued
         self.max_queue_len = engine.config.max_queue_len
         self.inflight: set[str] = set()  # engine request ids of the requests being served
@@ -146,11 +154,13 @@ class Generation:
             unfinished = {job.request_id for job in jobs}
             # NOTE: a client gone before the body starts never runs the generator's `finally`;
             # the background task (run by starlette after a disconnect too) aborts for it.
-            return StreamingResponse(
+            return _TimedStream(
                 self._stream(request, parsed, rid, jobs, chat, t0, unfinished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
                 background=BackgroundTask(self._finish_stream, unfinished, jobs),
+                send_timeout_s=self.stream_send_timeout_s,
+                on_timeout=lambda: self._send_timed_out(rid, unfinished, jobs),
             )
         return await self._collect(request, parsed, rid, jobs, chat, t0)
 
@@ -265,6 +275,12 @@ class Generation:
 
     # ---- stream ------------------------------------------------------------------------------
 
+    def _send_timed_out(self, rid: str, unfinished: set[str], jobs: list[ChoiceJob]) -> None:
+        logger.warning("%s: the client read nothing for %gs (--stream-send-timeout): aborted",
+                       rid, self.stream_send_timeout_s)
+        self.metrics.send_timeouts.inc()
+        self._finish_stream(unfinished, jobs)
+
     def _finish_stream(self, unfinished: set[str], jobs: list[ChoiceJob]) -> None:
         for erid in list(unfinished):
             self.engine.abort(erid)
@@ -275,14 +291,23 @@ class Generation:
         created = int(time.time())
         model = self.model_name
         queue: asyncio.Queue = asyncio.Queue()
+        # backpressure: a choice's chunks waiting in `queue`; past the bound its engine request
+        # is paused until the client has read half of them
+        unread = dict.fromkeys((job.index for job in jobs), 0)
+        paused: set[int] = set()
+        erids = {job.index: job.request_id for job in jobs}
 
         async def pump(job: ChoiceJob):
             try:
                 async for out in job.stream:
                     self.check_output(out)
                     await queue.put((job.index, job.state.feed(out), None))
+                    unread[job.index] += 1
                     if out.finished:
                         unfinished.discard(job.request_id)
+                    elif unread[job.index] >= self.stream_max_unread and job.index not in paused:
+                        paused.add(job.index)
+                        self.engine.pause(job.request_id, True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- forwarded to the SSE loop
@@ -306,6 +331,10 @@ class Generation:
                 if frag is None:
                     pending -= 1
                     continue
+                unread[index] -= 1
+                if index in paused and unread[index] <= self.stream_max_unread // 2:
+                    paused.discard(index)
+                    self.engine.pause(erids[index], False)
                 if not got_first:
                     got_first = True
                     self.metrics.ttft.observe(time.perf_counter() - t0)
@@ -341,6 +370,31 @@ class Generation:
                 t.cancel()
             self._finish_stream(unfinished, jobs)
         yield b"data: [DONE]\n\n"
+
+
+class _TimedStream(StreamingResponse):
+    """A StreamingResponse whose every send may wait at most `send_timeout_s` for the client to
+    read (None: forever). Past it, `on_timeout()` aborts the engine requests and the connection
+    is closed, so a client that stopped reading holds neither KV nor a task."""
+
+    def __init__(self, content, *, send_timeout_s: float | None, on_timeout, **kw):
+        super().__init__(content, **kw)
+        self.send_timeout_s = send_timeout_s
+        self.on_timeout = on_timeout
+
+    async def stream_response(self, send) -> None:
+        if self.send_timeout_s is None:
+            return await super().stream_response(send)
+
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except TimeoutError:
+                self.on_timeout()
+                await self.body_iterator.aclose()
+                raise ClientDisconnect() from None
+
+        await super().stream_response(timed_send)
 
 
 def _sse(obj: Any) -> bytes:

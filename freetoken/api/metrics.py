@@ -22,7 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from freetoken.api.engine_client import EngineClient
 
@@ -51,6 +51,10 @@ _ENGINE_GAUGES = {
     "num_waiting": ("freetoken_requests_waiting", "Requests waiting for admission"),
     "kv_blocks_used": ("freetoken_kv_blocks_used", "KV-cache blocks in use"),
     "kv_blocks_total": ("freetoken_kv_blocks_total", "KV-cache blocks in the pool"),
+    "num_paused": (
+        "freetoken_streams_paused",
+        "Requests paused because their stream's client stopped reading",
+    ),
 }
 _ENGINE_COUNTERS = {
     "prefix_queries": (
@@ -128,7 +132,30 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=float(stats[key]))
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats[key]))
+        yield from pressure_families(stats)
         yield from vllm_families(stats, self.model_name)
+
+
+def pressure_families(stats: dict):
+    """Preemptions by cause and queue time by request size (engine/pressure.py)."""
+    c = CounterMetricFamily(
+        "freetoken_preemptions_by_cause",
+        "Sequences preempted, by cause: kv (a running sequence needed blocks), short (room for "
+        "short work), priority (room for a better priority), paused (a paused stream's KV)",
+        labels=["cause"],
+    )
+    for cause, n in stats["preemptions_by_cause"].items():
+        c.add_metric([cause], float(n))
+    yield c
+    h = HistogramMetricFamily(
+        "freetoken_queue_time_seconds",
+        "Time from arrival to first admission, by request size (short: max_tokens <= "
+        "--short-max-tokens)",
+        labels=["size"],
+    )
+    for size, (buckets, total) in stats["queue_time"].items():
+        h.add_metric([size], buckets, total)
+    yield h
 
 
 class Metrics:
@@ -172,6 +199,11 @@ class Metrics:
         self.scored_labels = Counter(
             "freetoken_scored_labels", "Item x label scores returned by the scoring routes",
             ["route"], registry=r,
+        )
+        self.send_timeouts = Counter(
+            "freetoken_stream_send_timeouts",
+            "Streams aborted because their client read nothing for --stream-send-timeout",
+            registry=r,
         )
         self.http = Counter(
             "freetoken_http_requests",

@@ -88,7 +88,8 @@ class Engine:
                               fingerprint=loaded.fingerprint)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, self.eos_token_ids,
-                                   enable_partial_reuse=config.enable_partial_block_reuse)
+                                   enable_partial_reuse=config.enable_partial_block_reuse,
+                                   policy=config.pressure_policy())
         self.runner = Runner(self.model, self.kv, Sampler(self.model.device), self.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -146,6 +147,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """The client went away: finish the request with "abort" and free its KV."""
         self._inbox.put(("abort", request_id))
+
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Backpressure: stop scheduling the request (its KV is the first to be preempted), or
+        carry on. Unknown or finished ids are no-ops."""
+        self._inbox.put(("pause", (request_id, paused)))
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str,
                     sink: Callable[[RequestOutput], None], fork_from: str | None = None) -> None:
@@ -215,6 +221,9 @@ class Engine:
             "prefix_queries": self.pool.num_query_tokens,
             "prefix_hits": self.pool.num_hit_tokens,
             "num_preemptions": s.num_preemptions,
+            "preemptions_by_cause": dict(s.stats.preemptions),
+            "num_paused": s.num_paused,
+            "queue_time": s.stats.queue_histograms(),
             **self.totals,
             "finish_reasons": dict(self.finish_reasons),
         }
@@ -312,6 +321,8 @@ class Engine:
             seq = self.scheduler.abort(obj)
             if seq is not None:
                 self._post(seq)
+        elif kind == "pause":
+            self.scheduler.set_paused(*obj)
 
     def _step(self) -> None:
         """One step. NOTE: an exception fails only the sequences of this step (finish_reason

@@ -38,6 +38,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # > 0, over prompt + generated tokens (vLLM semantics)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0                   # vLLM's: lower is scheduled first (engine/pressure.py)
 
     def __post_init__(self) -> None:
         if not limits.is_int(self.max_tokens) or self.max_tokens < 0:
@@ -82,6 +83,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not limits.is_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not limits.is_int(self.priority):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not limits.is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 

@@ -4,22 +4,30 @@ schedule() decides (plain data out: SchedulerOutput); the runner does; update() 
 runner's results (append tokens, index full blocks, decide finished, free KV).
 
 Policy, decided once:
-  * Running sequences first, oldest first: decodes (1 token) and the next chunk of a chunked
-    prefill share the per-step token budget (max_num_batched_tokens). Then waiting sequences are
-    admitted FCFS while budget, max_num_seqs and free blocks allow; a prefill larger than the
-    remaining budget is chunked. A waiting sequence whose next full block is being computed by
-    a running prefill steps aside (it keeps its place) until that block is indexed, so
-    prompts that arrive together and share a prefix compute it once.
+  * Running sequences first, best first ((priority, arrival); pressure.py): decodes (1 token)
+    and the next chunk of a chunked prefill share the per-step token budget
+    (max_num_batched_tokens). Then waiting sequences are admitted in that order while budget,
+    max_num_seqs and free blocks allow; a prefill larger than the remaining budget is chunked.
+    Paused sequences (their stream's client stopped reading) are skipped and hold no seat. A
+    waiting sequence whose next full block is being computed by a running prefill steps aside
+    (it keeps its place) until that block is indexed, so prompts that arrive together and
+    share a prefix compute it once.
   * Admission, two calls to the pool: find_cached_prefix (capped at len-1 tokens) -- full
     blocks, then a partial block (the donor's first m slots are copied into the sequence's fresh
     block by the runner, the donor pinned for the step) -- then admit, which takes those and
     blocks for the scheduled chunk only (KVCacheBlocks). When the head of the queue does not
-    fit, admission is held (no skipping ahead, so no starvation) until blocks free up.
-  * Pool full while growing a running sequence: preempt the newest running sequence (free its
-    blocks, reset it to WAITING at the head of the queue) and retry; recompute later, mostly
-    from the prefix cache, as its full blocks stay indexed. The oldest sequence always makes
-    progress, and Engine.submit refuses sequences longer than the pool, so a lone sequence
-    always fits: no deadlock, no dropped request. No admission in a step that preempted.
+    fit, admission is held (no skipping ahead, so no starvation) until blocks free up; only
+    short work may pass it, and with `policy.projected` a long sequence is admitted only while
+    the running set's projected KV peak fits (pressure.py).
+  * Pool full while growing a running sequence: preempt a paused sequence, else the worst
+    running one (lowest priority, newest: the least work lost; free its blocks, reset it to
+    WAITING in its place in the queue) and retry; recompute later, mostly from the prefix
+    cache, as its full blocks stay indexed. The oldest sequence always makes progress, and
+    Engine.submit refuses sequences longer than the pool, so a lone sequence always fits: no
+    deadlock, no dropped request. Only short work is admitted in a step that preempted.
+  * Short work (pressure.py) that finds no seat or no blocks preempts a paused sequence, else
+    the worst running one if it is long and of no better priority; a better priority may
+    preempt a worse one (vLLM's priority policy). Nothing admitted in this step is taken back.
   * Forks (scoring: a query shared by items, an item shared by labels): a sequence added with
     `fork_from` shares its parent's KV of the parent's prompt -- the full blocks by reference,
     the partial last block copied as a partial prefix hit is -- whether or not the prefix cache
@@ -32,12 +40,13 @@ Policy, decided once:
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from freetoken.engine.kv_cache import BlockPool, CachedPrefix
 from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.pressure import PressurePolicy, PressureStats, admits_long, displacement
 from freetoken.engine.sequence import Sequence, SequenceStatus
 
 
@@ -77,7 +86,7 @@ class StepResult:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Seq[int] = (),
-                 enable_partial_reuse: bool = False):
+                 enable_partial_reuse: bool = False, policy: PressurePolicy | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -85,10 +94,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_partial_reuse = enable_partial_reuse
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy or PressurePolicy()
+        # both kept in (priority, arrival) order
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.held: list[Sequence] = []  # finished parents whose blocks wait for their forks
         self.num_preemptions = 0
+        self.num_added = 0
+        self.stats = PressureStats()
 
     # -- queue ------------------------------------------------------------------------------
     def add(self, seq: Sequence, fork_from: str | None = None) -> None:
@@ -104,10 +117,25 @@ class Scheduler:
                     seq.token_ids[:n] == parent.token_ids[:n]:
                 seq.fork = (parent, n)
                 parent.num_fork_children += 1
-        self.waiting.append(seq)
+        self.num_added += 1
+        seq.order = self.num_added
+        insort(self.waiting, seq, key=_key)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step could compute anything (paused sequences wait for their client)."""
+        return any(not s.paused for s in self.running) or any(not s.paused for s in self.waiting)
+
+    def set_paused(self, request_id: str, paused: bool) -> bool:
+        """Pause (its stream's client stopped reading) or resume a live sequence."""
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                seq.paused = paused
+                return True
+        return False
+
+    @property
+    def num_paused(self) -> int:
+        return sum(s.paused for s in (*self.running, *self.waiting))
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running):
@@ -223,30 +251,66 @@ class Scheduler:
                 out.update(seq.block_hashes[seq.num_computed_tokens // self.block_size:])
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, cause: str, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.reset_kv()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.stats.preempted(cause)
+        insort(self.waiting, seq, key=_key)
+        out.preempted.append(seq)
+
+    def _growth_victim(self) -> tuple[Sequence, str]:
+        """Who gives way when a running sequence needs blocks: a paused one, else the worst."""
+        paused = [s for s in self.running if s.paused]
+        return (paused[-1], "paused") if paused else (self.running[-1], "kv")
+
+    def _displace(self, seq: Sequence, fresh: set[int], out: SchedulerOutput,
+                  seat: bool) -> bool:
+        """Make room for a waiting sequence that finds no seat (`seat`) or no blocks: preempt a
+        paused sequence (for blocks: it holds no seat), else the worst running one when `seq`
+        outranks it (a better priority, or short work against long work of no better priority).
+        True when something was preempted. Sequences admitted this step (`fresh`, by id) are
+        never taken back."""
+        old = [s for s in self.running if id(s) not in fresh]
+        paused = [s for s in old if s.paused]
+        if paused and not seat:
+            self._preempt(paused[-1], "paused", out)
+            return True
+        old = [s for s in old if not s.paused]
+        if not old:
+            return False
+        victim = old[-1]
+        cause = displacement(self.policy, seq, victim, None if seat else self.pool)
+        if cause is None:
+            return False
+        self._unschedule(victim, out)
+        self._preempt(victim, cause, out)
+        return True
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
+        out.scheduled = [item for item in out.scheduled if item.seq is not seq]
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([])
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.paused:
+                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # preempted from the end: everything after it is gone too
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, n)
             while not self.pool.can_allocate(need):
                 if self.held:  # idle blocks go before anyone's work
                     self._release_held()
                     continue
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
+                victim, cause = self._growth_victim()
+                self._preempt(victim, cause, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -254,13 +318,35 @@ class Scheduler:
             seq.block_table += self.pool.allocate(need)
             out.scheduled.append(self._make(seq, n))
             budget -= n
-            i += 1
+        self._admit(out, budget)
+        return out
 
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order. When one does not fit (blocks, seats, or the
+        projection), admission is held: only short work may pass it (policy.short_max_tokens);
+        with none, nothing passes. After a growth preemption only short work is admitted."""
+        p = self.policy
+        plain = not (p.projected or p.long_headroom(self.pool.num_blocks))
         inflight = self._inflight_hashes() if self.pool.enable_prefix_cache else set()
+        fresh: set[int] = set()  # admitted this step (by id): never displaced
+        held = bool(out.preempted)
         i = skipped = 0
-        while (i < len(self.waiting) and budget > 0 and not out.preempted
-               and len(self.running) < self.max_num_seqs):
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            short = p.is_short(seq)
+            if seq.paused or (held and not short) or seq in out.preempted:
+                i += 1  # a sequence preempted in this step is not taken back in it
+                continue
+            if sum(not s.paused for s in self.running) >= self.max_num_seqs:
+                if self._displace(seq, fresh, out, seat=True):
+                    budget = self.max_num_batched_tokens - out.num_tokens
+                    i = self.waiting.index(seq)  # the victim went back into the queue
+                    continue
+                if p.short_max_tokens < 0:
+                    break
+                held = True
+                i += 1
+                continue
             prefix = self.pool.find_cached_prefix(seq.token_ids, seq.block_hashes, seq.cursor,
                                                   partial=self.enable_partial_reuse)
             num_hits = len(prefix.block_ids)
@@ -282,12 +368,26 @@ class Scheduler:
                 continue
             num_cached = prefix.num_cached_tokens
             n = min(seq.num_tokens - num_cached, budget)
-            blocks = self.pool.admit(prefix, num_cached + n, seq.num_tokens)
+            blocks = None
+            if short or plain or admits_long(
+                    p, seq, [s for s in self.running if not s.paused], self.pool,
+                    -(-(num_cached + n) // self.block_size) - len(prefix.block_ids),
+                    self.max_model_len):
+                blocks = self.pool.admit(prefix, num_cached + n, seq.num_tokens)
+                if blocks is None and (self._displace(seq, fresh, out, seat=False)
+                                       or (not self.running and self.held)):
+                    if self.held and not self.running:
+                        self._release_held()  # nothing runs to free blocks: held ones must go
+                    # and this sequence tries again (from the cache), with the budget given back
+                    budget = self.max_num_batched_tokens - out.num_tokens
+                    i = self.waiting.index(seq)
+                    continue
             if blocks is None:
-                if not self.running and self.held:
-                    self._release_held()  # nothing runs to free blocks: held ones must go
-                    continue  # and this sequence tries again, from the cache
-                break  # hold admission until blocks free up
+                if p.short_max_tokens < 0:
+                    break  # hold admission until blocks free up
+                held = True
+                i += 1
+                continue
             self._drop_fork(seq)
             if blocks.copy is not None:
                 out.copies.append(blocks.copy)
@@ -297,13 +397,14 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = num_cached
+                self.stats.admitted(seq, short)
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            insort(self.running, seq, key=_key)
+            fresh.add(id(seq))
             inflight.update(seq.block_hashes[num_hits:])
             out.scheduled.append(self._make(seq, n))
             budget -= n
-        return out
 
     def release_pins(self, out: SchedulerOutput) -> None:
         """After the runner copied the partial blocks (or failed): drop the donors' references."""
@@ -339,3 +440,8 @@ class Scheduler:
                 else:
                     self._release(seq)
         return to_post
+
+
+def _key(seq: Sequence) -> tuple[int, int]:
+    """Scheduling order: lower priority value first (vLLM), then arrival."""
+    return (seq.priority, seq.order)

@@ -8,6 +8,7 @@ happened since the last call into a RequestOutput delta (outputs.py).
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -31,6 +32,10 @@ class Sequence:
         self.sink = sink                       # called on the engine thread with each delta
         self.detokenizer = detokenizer         # IncrementalDetokenizer or None (ids only)
         self.arrival = arrival
+        self.priority = params.priority
+        self.queued_at = time.monotonic()      # for the queue-time histogram
+        self.paused = False                    # its stream's client stopped reading
+        self.order = 0                         # the scheduler's arrival count (ties of priority)
         self.token_ids: list[int] = list(prompt_ids)   # prompt + output
         self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING

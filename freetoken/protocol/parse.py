@@ -62,6 +62,7 @@ def _sampling_kwargs(req: _SamplingFields, vocab_size: int) -> dict[str, Any]:
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "min_tokens": req.min_tokens,
+        "priority": req.priority or 0,
     }
     if req.min_p is not None:
         kw["min_p"] = req.min_p

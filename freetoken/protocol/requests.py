@@ -163,8 +163,8 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: Annotated[bool | None, NeutralOnly(None, True)] = Field(
         None, description="neutral only: true"
     )
-    priority: Annotated[int | None, NeutralOnly(None, 0)] = Field(
-        None, description="neutral only: 0"
+    priority: int | None = Field(
+        None, description="vLLM's: lower is scheduled first (default 0); docs/api.md, Under load"
     )
     cache_salt: Annotated[Any, NeutralOnly(None)] = Field(None, description="neutral only: null")
     return_token_ids: Annotated[bool | None, NeutralOnly(None, False)] = Field(

@@ -316,7 +316,9 @@ def test_overload_503_retry_after_within_100ms(live):
 
 
 def test_step_fault_fails_only_that_steps_requests(live, caplog):
-    s = live(engine=dict(max_num_seqs=1))  # A runs alone; B waits, outside the failing step
+    # A runs alone; B waits, outside the failing step (B is not short work, which would take
+    # A's seat: docs/api.md, Under load)
+    s = live(engine=dict(max_num_seqs=1, short_max_tokens=-1))
     import concurrent.futures as cf
 
     body_b = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
