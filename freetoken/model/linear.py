@@ -18,7 +18,10 @@ the file's blocks where its read-only memory map has them (GGUFMatrix, from
 freetoken/loader/gguf.py; ops.gguf_matrix, csrc/linear/gguf_linear.cpp), every step size
 computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
 summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB
-instead of ~5.5.
+instead of ~5.5. In the int8 compute mode (ops.configure(compute="int8"), any size) a GGUF's
+quantized weights become int8 matrices instead (GGUFMatrix.pack: ops.int8_matrix, a repacked
+copy of their codes at about the file's size, the file's pages unmapped once it exists); the
+types without an int8 kernel keep the descriptor.
 
 Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
   * fp32 weights of a smaller GGUF that its file stores as Q4_1 / Q8_0 blocks (GGUFBlocks): the
