@@ -17,8 +17,6 @@ import time
 import httpx
 import pytest
 
-from freetoken.testing.live import LiveServer
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytestmark = pytest.mark.real_model
@@ -26,27 +24,6 @@ pytestmark = pytest.mark.real_model
 COMP = "/v1/completions"
 SHORT_BOUND_S = 10.0  # generous: a one-token request takes well under a second here
 POOL = dict(num_kv_blocks=48, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def loaded(smollm2_fp32):
-    import torch
-
-    torch.set_num_threads(1)
-    return smollm2_fp32
-
-
-@pytest.fixture
-def live(loaded):
-    made: list[LiveServer] = []
-
-    def make(engine: dict | None = None, **app_kw) -> LiveServer:
-        made.append(LiveServer(loaded, engine, **app_kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def long_stream(url: str, i: int, results: list, stop: threading.Event) -> None:

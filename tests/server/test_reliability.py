@@ -29,27 +29,6 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_fp32):
-    import torch
-
-    torch.set_num_threads(1)
-    return smollm2_fp32
-
-
-@pytest.fixture
-def live(loaded):
-    made: list[LiveServer] = []
-
-    def make(engine: dict | None = None, **app_kw) -> LiveServer:
-        made.append(LiveServer(loaded, engine, **app_kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
-
-
-@pytest.fixture(scope="module")
 def srv(loaded):
     s = LiveServer(loaded, max_batch_prompts=4, max_body_bytes=1 << 20)
     yield s
