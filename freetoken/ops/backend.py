@@ -106,6 +106,9 @@ def configure(backend: str = "auto", linear: str = "auto", cpu_isa: str = "auto"
         _C.set_pool_poll_us(pool_poll_us)
     if compute == "int8" and (backend == "torch" or _C is None):
         raise ValueError("compute='int8' needs freetoken._C (the int8 kernels have no torch twin)")
+    if compute == "int8" and linear not in ("auto", "gguf"):
+        raise ValueError(f"compute='int8' computes a GGUF's weights with its own kernels; "
+                         f"linear={linear!r} would pick others (use auto or gguf)")
     _config = OpsConfig(backend, linear, cpu_isa, pool_poll_us, compute)
     _backend_for_type.cache_clear()
     _log_choice.cache_clear()

@@ -98,6 +98,8 @@ def test_int8_refuses_what_it_cannot_compute(tmp_path, tiny_checkpoint, ops_conf
         ops.configure(compute="int4")
     with pytest.raises(ValueError, match="torch twin"):
         ops.configure(backend="torch", compute="int8")
+    with pytest.raises(ValueError, match="linear='panels'"):
+        ops.configure(linear="panels", compute="int8")
 
 
 def test_types_without_an_int8_kernel_stay_exact(tmp_path, ops_config, caplog):
