@@ -21,6 +21,14 @@ FT_INLINE float no_contract(float v) {
   return v;
 }
 
+// Rows [m0, m0 + mr) of a tile's sums (acc [mr][16]) into y, + bias: the panel's real outputs.
+FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo& pi, float* y,
+                          int64_t N, const float* bias) {
+  for (int m = 0; m < mr; ++m)
+    for (int o = 0; o < pi.n1 - pi.n0; ++o)
+      y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+}
+
 // --- the portable kernel (the reference order; the baseline x86-64 variant) ------------------
 
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
@@ -50,8 +58,7 @@ void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
         }
       }
     }
-    for (int o = 0; o < pi.n1 - pi.n0; ++o)
-      y[m * N + pi.n0 + o] = acc[o] + (bias ? bias[pi.n0 + o] : 0.f);
+    store_rows(acc, 1, m, pi, y, N, bias);
   }
 }
 
@@ -240,14 +247,11 @@ template <int KIND>
 FT_TARGET_VNNI void panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
   alignas(64) float acc[kVnniRows * kPanel];
-  const int nv = pi.n1 - pi.n0;
   const int64_t units = x.K / kKinds[KIND].unit;
   for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
     rows_dispatch<KIND, kVnniRows>(mr, data, pi.c, units, x, m0, acc);
-    for (int m = 0; m < mr; ++m)
-      for (int o = 0; o < nv; ++o)
-        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+    store_rows(acc, mr, m0, pi, y, N, bias);
   }
 }
 
@@ -397,7 +401,6 @@ template <int KIND>
 FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
   alignas(32) float acc[2 * kPanel];
-  const int nv = pi.n1 - pi.n0;
   const int64_t units = x.K / kKinds[KIND].unit;
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const int mr = static_cast<int>(std::min<int64_t>(2, M - m0));
@@ -406,9 +409,7 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
     } else {
       panel_rows_avx2<1, KIND>(data, pi.c, units, x, m0, acc);
     }
-    for (int m = 0; m < mr; ++m)
-      for (int o = 0; o < nv; ++o)
-        y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+    store_rows(acc, mr, m0, pi, y, N, bias);
   }
 }
 

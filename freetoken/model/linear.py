@@ -38,6 +38,7 @@ GGUF's weights into fp32 panels instead, "onednn" skips the panels too, "torch" 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from dataclasses import dataclass
 
@@ -138,8 +139,8 @@ class GGUFMatrix:
         page = mmap.PAGESIZE
         first = (base + lo) // page * page
         last = -(-(base + min(hi, self.mapping.numel())) // page) * page
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
+                        mmap.MADV_DONTNEED)
 
     def row_table(self) -> torch.Tensor:
         """The rows as a [out, row bytes] uint8 view of the mapping (a single-type weight whose
@@ -151,6 +152,11 @@ class GGUFMatrix:
             raise ValueError("GGUFMatrix.row_table: the rows are not one type in order")
         return self.mapping[first:first + self.out_features * row_bytes].view(
             self.out_features, row_bytes)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: int) -> bool:
