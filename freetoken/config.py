@@ -309,8 +309,9 @@ class KernelConfig:
     linear: str = _knob(
         "auto", "the CPU linear layers: auto (a GGUF over 1 GiB as fp32 computes in place in "
         "its blocks; smaller ones as fp32 panels plus Q4_1 / Q8_0 blocks for steps of few "
-        "rows), gguf (in place whatever the size), panels (no GGUF blocks), onednn (oneDNN "
-        "with packed weights), torch (F.linear)",
+        "rows), gguf (in place whatever the size), panels (no GGUF blocks; bf16 as panels for "
+        "every row count: batch invariant, slower prefill), onednn (oneDNN with packed "
+        "weights), torch (F.linear)",
         choices=("auto", "gguf", "panels", "onednn", "torch"), env="FREETOKEN_LINEAR")
     cpu_isa: str = _knob(
         "auto", "the CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2 or "

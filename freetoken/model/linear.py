@@ -32,7 +32,9 @@ Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
 The packed weight replaces the plain one: a panel tensor or a GGUF descriptor is 1-D (its header
 carries N, K and the format), a oneDNN one an opaque mkldnn tensor of the same shape.
 ops.configure(linear=...) chooses among them (A/B switches, a way out): "panels" dequantizes a
-GGUF's weights into fp32 panels instead, "onednn" skips the panels too, "torch" keeps F.linear.
+GGUF's weights into fp32 panels instead and gives bf16 weights panels for every row count (no
+oneDNN: the same bits for any row count, at about half oneDNN's speed on a classify step),
+"onednn" skips the panels too, "torch" keeps F.linear.
 """
 
 from __future__ import annotations
@@ -210,10 +212,12 @@ def packing_available(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] plain weight -> its packed form for every row count (see the module docstring):
-    panels for fp32, oneDNN for bf16 (panels where oneDNN is missing). Call only where
-    packing_available(weight)."""
+    panels for fp32, oneDNN for bf16 (panels where oneDNN is missing, or with linear "panels":
+    then every row count has the panels' one summation order, batch invariance's switch for
+    bf16). Call only where packing_available(weight)."""
     weight = weight.detach().contiguous()
     if panels_available(weight) and (weight.dtype == torch.float32
+                                     or ops.config().linear == "panels"
                                      or not _onednn_available(weight)):
         return ops.pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -228,7 +232,8 @@ def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> tor
             raise ValueError(f"GGUF blocks of shape [{blocks.rows.shape[0]}, "
                              f"{blocks.in_features}] for a weight {tuple(weight.shape)}")
         return ops.pack_gguf_panels(blocks.rows, blocks.type, blocks.in_features)
-    if weight.dtype != torch.float32 and panels_available(weight) and _onednn_available(weight):
+    if weight.dtype != torch.float32 and ops.config().linear == "auto" \
+            and panels_available(weight) and _onednn_available(weight):
         return ops.pack_panels(weight.detach().contiguous())
     return None
 

@@ -108,3 +108,41 @@ def test_a_continuation_scores_as_it_was_generated(loaded, isa):
     rescored = [(lp.token_id, lp.logprob, lp.rank, tuple(lp.top))
                 for lp in echo.prompt_logprobs[len(prompt):]]
     assert rescored == generated
+
+
+def test_bf16_is_invariant_past_8_rows_with_linear_panels(smollm2_path):
+    # --dtype bfloat16 hands steps of more than 8 rows to oneDNN (docs/api.md, Determinism:
+    # "Limits"); --linear panels is the switch that keeps the bf16 panels' one summation order
+    # for every row count: a 100-token prefill in one step, in chunks of 6 rows, or beside
+    # other prompts gives the same bits.
+    from freetoken import ops
+    from freetoken.loader import load_model
+    from freetoken.model.linear import packed_form
+
+    if not ops.panel_linear_available(torch.empty(0, dtype=torch.bfloat16)):
+        pytest.skip("freetoken._C with bf16 panels not built")
+    ops.configure(linear="panels")
+    try:
+        loaded = load_model(smollm2_path, dtype=torch.bfloat16, device="cpu", progress=False)
+    finally:
+        ops.configure()
+    layer = loaded.model.layers[0].mlp.down_proj
+    assert packed_form(layer.weight) == "panels" and layer.few_rows is None
+    tok = loaded.tokenizer
+    prompt = tok.encode(TEXT)
+    assert len(prompt) > 8
+    others = [tok.encode(f"Other prompt {i}: " + "lorem ipsum " * (i + 2)) for i in range(3)]
+    got = {}
+    for label, budget, batch in (("alone", 2048, []), ("chunks of 6", 6, []),
+                                 ("beside 3 others", 2048, others)):
+        eng = Engine(EngineConfig(max_model_len=512, kv_cache_memory=48 << 20, dtype="bfloat16",
+                                  max_num_batched_tokens=budget, enable_prefix_cache=False),
+                     loaded).start()
+        try:
+            rest = [SamplingParams(max_tokens=2, temperature=0.0)] * len(batch)
+            got[label] = scores(eng.generate([prompt, *batch], [PARAMS, *rest],
+                                             timeout_s=300)[0])
+        finally:
+            eng.shutdown()
+    for label, value in got.items():
+        assert value == got["alone"], label

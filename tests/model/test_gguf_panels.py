@@ -170,3 +170,23 @@ def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, o
             assert torch.equal(out[0], out[1]), n
         else:
             torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)
+
+
+def test_the_kernel_ab_script_compares_two_trees():
+    # scripts/ab_kernel.py (issue 23's measurements): this tree against itself, tiny, one case
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "ab_kernel.py"), f"A={root}", f"B={root}",
+         "--type", "Q4_1", "--n", "40", "--k", "64", "--rows", "3", "--copies", "2",
+         "--cases", "1:hot", "--bursts", "2"], capture_output=True, text=True, timeout=300,
+        check=True)
+    first = [line for line in out.stderr.splitlines() if "y[0, :2]" in line]
+    assert len(first) == 2 and first[0].split("=", 1)[1] == first[1].split("=", 1)[1]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["rows"] == 3 and set(report["cases"][0]["median_ms"]) == {"A", "B"}
+    assert all(t > 0 for t in report["cases"][0]["median_ms"].values())
