@@ -113,7 +113,7 @@ def test_a_continuation_scores_as_it_was_generated(loaded, isa):
 def test_bf16_is_invariant_past_8_rows_with_linear_panels(smollm2_path):
     # --dtype bfloat16 hands steps of more than 8 rows to oneDNN (docs/api.md, Determinism:
     # "Limits"); --linear panels is the switch that keeps the bf16 panels' one summation order
-    # for every row count: a 100-token prefill in one step, in chunks of 6 rows, or beside
+    # for every row count: a 77-token prefill in one step, in chunks of 6 rows, or beside
     # other prompts gives the same bits.
     from freetoken import ops
     from freetoken.loader import load_model
