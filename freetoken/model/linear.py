@@ -216,11 +216,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     then every row count has the panels' one summation order, batch invariance's switch for
     bf16). Call only where packing_available(weight)."""
     weight = weight.detach().contiguous()
-    if panels_available(weight) and (weight.dtype == torch.float32
-                                     or ops.config().linear == "panels"
-                                     or not _onednn_available(weight)):
+    if _panels_for_every_row_count(weight):
         return ops.pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _panels_for_every_row_count(weight: torch.Tensor) -> bool:
+    """Whether pack_weight gives `weight` panels (else oneDNN)."""
+    return panels_available(weight) and (weight.dtype == torch.float32
+                                         or ops.config().linear == "panels"
+                                         or not _onednn_available(weight))
 
 
 def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> torch.Tensor | None:
@@ -232,8 +237,7 @@ def pack_few_rows(weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> tor
             raise ValueError(f"GGUF blocks of shape [{blocks.rows.shape[0]}, "
                              f"{blocks.in_features}] for a weight {tuple(weight.shape)}")
         return ops.pack_gguf_panels(blocks.rows, blocks.type, blocks.in_features)
-    if weight.dtype != torch.float32 and ops.config().linear == "auto" \
-            and panels_available(weight) and _onednn_available(weight):
+    if panels_available(weight) and not _panels_for_every_row_count(weight):  # bf16 on oneDNN
         return ops.pack_panels(weight.detach().contiguous())
     return None
 
