@@ -95,7 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("gguf_pack", &freetoken::gguf_pack_cpu,
         "CPU: GGUF Q4_1 / Q8_0 rows [N, K/32 * block bytes] uint8 -> packed panels (1-D uint8)",
-        py::arg("blocks"), py::arg("type"), py::arg("K"));
+        py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("release_rows") = false);
   m.def("gguf_dequantize", &freetoken::gguf_dequantize_cpu,
         "CPU: GGUF rows [N, K/block * block bytes] uint8 of a type -> [N, K] fp32, exactly the "
         "gguf package's dequantize", kNoGil, py::arg("rows"), py::arg("type"), py::arg("K"));

@@ -28,7 +28,8 @@ WORKER = r"""
 import json, os, sys, time
 import torch
 from freetoken import ops
-typ, n, k, rows, copies = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+typ = sys.argv[1]
+n, k, rows, copies = (int(a) for a in sys.argv[2:6])
 src = {"Q4_1": 20, "Q8_0": 34}[typ]
 g = torch.Generator().manual_seed(0)
 mats = []

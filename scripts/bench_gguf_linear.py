@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A GGUF's layer linears computed in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp)
-against the same weights dequantized into fp32 panels (ops.pack_panels) and, with --int8, the
-int8 compute mode (ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
+against the same weights dequantized into fp32 panels (ops.pack_panels), as block panels
+(ops.pack_gguf_panels: the default form of Q4_1 / Q8_0, csrc/linear/quant_linear_cpu.cpp; only
+when every matrix is one of those types) and, with --int8, the int8 compute mode
+(ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
 matrices called once per step, in order, so each weight comes from DRAM as in a forward. The
 forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time (int8:
 integer ops); with --int8 the int8 bound is measured first (the machine's vpdpbusd rate on
@@ -55,9 +57,12 @@ def load_forms(path: str, layers: int | None, panels: bool, int8: bool) -> list[
             form["int8"] = ops.int8_matrix(mapping, offsets, [t.tensor_type.name], [n], k)
         elif int8:  # no int8 kernel for this type: the int8 mode computes it exact
             form["int8"] = form["in_place"]
+        rows = np.asarray(t.data).view(np.uint8).reshape(n, -1)
         if panels:
-            rows = np.asarray(t.data).view(np.uint8).reshape(n, -1)
             form["panels"] = ops.pack_panels(ops.dequantize_gguf(rows, t.tensor_type.name, k))
+        if t.tensor_type.name in ops.GGUF_PANEL_TYPES:
+            form["block_panels"] = ops.pack_gguf_panels(torch.from_numpy(np.array(rows)),
+                                                        t.tensor_type.name, k)
         out.append(form)
         print(f"\r{len(out)} matrices", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -81,8 +86,9 @@ def main() -> None:
         bound = max(ops.int8_peak_gops(2_000_000, args.threads) for _ in range(5))
         print(f"int8 bound: {bound:.0f} GOP/s ({args.threads} threads of register vpdpbusd)")
     forms = load_forms(path, args.layers, not args.no_panels, args.int8)
-    names = ["in_place"] + ([] if args.no_panels else ["panels"]) + (["int8"] if args.int8
-                                                                      else [])
+    names = ["in_place"] + ([] if args.no_panels else ["panels"]) \
+        + (["block_panels"] if all("block_panels" in f for f in forms) else []) \
+        + (["int8"] if args.int8 else [])
     weights = sum(f["k"] * f["n"] for f in forms)
     results = []
     print(f"{os.path.basename(path)}: {len(forms)} matrices, {weights / 1e6:.0f}M weights, "

@@ -31,6 +31,11 @@
 // thread: a row's result does not depend on the rows computed with it (batch invariance, issue
 // 23; quant_linear_cpu.cpp sums in the same order, so the GGUF-block panels give these bits too).
 //
+// GGUF-block panels (quant_linear_cpu.cpp) of more than kGGUFFewRows rows come here too: each
+// thread decodes an L2-sized block of its panels at a time into fp32 panels in a buffer of its
+// own (run_decoded), then runs the fp32 micro-kernels over it: the fp32 panels' bits, with no
+// fp32 copy of the weight anywhere.
+//
 // bf16: the same panels hold bf16 weights (half the bytes: a decode step is twice as short a
 // stream); each panel row is widened to fp32 exactly (a 16-bit shift) and everything after is
 // the fp32 kernel; bf16 x is widened into the transposed copy, y is rounded to bf16 at the end
@@ -55,6 +60,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "common/isa.h"
 #include "common/task_pool.h"
@@ -89,6 +95,11 @@ struct Args {
   const float* bias;  // [N] or null
   float* y;           // [M, N], row stride N
   int64_t M, N, K;
+  // GGUF-block panels (pack_gguf_panels) for many rows: w is then each thread's buffer of a
+  // block of them decoded (run_decoded), whose first panel is p_base.
+  const panel::Header* gguf = nullptr;
+  const uint8_t* blocks = nullptr;
+  int64_t p_base = 0;
 };
 
 // One panel row's L weights as fp32: a load, and for bf16 the exact widening (bits << 16).
@@ -120,15 +131,15 @@ struct Ahead {
 // panels share each broadcast of x: with one panel every FMA brings its own load of x (MR + 1
 // loads per MR FMAs), which on cores with two 512-bit FMA ports is what limits them. AHEAD: the
 // k loop also pulls in the next block's lines (Ahead).
-template <int L, int MR, int NP, bool PF, bool AHEAD, typename WT>
+template <int L, int MR, int NP, bool PF, bool AHEAD, bool XIN, typename WT>
 FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahead) {
   using vf = typename Vec<L>::f;
   constexpr int V = kNR / L;  // vectors per panel row
   const int64_t K = a.K;
-  const float* x = a.x + r0 * K;
+  const float* x = a.x + r0 * K;  // XIN: row m of the chunk at x + m * K, else [K, MR]
   const WT* wp[NP];
 #pragma GCC unroll 8
-  for (int j = 0; j < NP; ++j) wp[j] = a.w + (p0 + j) * K * kNR;
+  for (int j = 0; j < NP; ++j) wp[j] = a.w + (p0 + j - a.p_base) * K * kNR;
   vf acc[NP][MR][V];  // each output: one chain over k
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
@@ -154,7 +165,7 @@ FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahe
     }
 #pragma GCC unroll 64
     for (int m = 0; m < MR; ++m) {
-      const float xs = x[k * MR + m];
+      const float xs = XIN ? x[m * K + k] : x[k * MR + m];
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 64
@@ -168,35 +179,35 @@ FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahe
 
 // Rows [r0, r0 + MR) of y, panels [p0, p1), NP panels a group (panel::group_panels), then the
 // rest in halving groups: the group changes how many chains run at once, never an output's sum.
-template <int L, int MR, int NP, bool AHEAD, typename WT>
+template <int L, int MR, int NP, bool AHEAD, bool XIN, typename WT>
 FT_INLINE void panel_groups(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1,
                             Ahead& ahead) {
   constexpr bool kPF = MR >= kPrefetchMinRows;
   int64_t p = p0;
-  for (; p + NP <= p1; p += NP) panel_group<L, MR, NP, kPF, AHEAD>(a, r0, p, ahead);
+  for (; p + NP <= p1; p += NP) panel_group<L, MR, NP, kPF, AHEAD, XIN>(a, r0, p, ahead);
   if constexpr (NP > 1) {
-    if (p < p1) panel_groups<L, MR, NP / 2, AHEAD>(a, r0, p, p1, ahead);
+    if (p < p1) panel_groups<L, MR, NP / 2, AHEAD, XIN>(a, r0, p, p1, ahead);
   }
 }
 
 // Rows [r0, r0 + MR) of y, panels [p0, p1): pairs of panels where NP2 (the kernel's row count
 // allows two panels' accumulators in registers), else as many as 8 FMA chains want.
-template <int L, int MR, bool NP2, bool AHEAD, typename WT>
+template <int L, int MR, bool NP2, bool AHEAD, bool XIN, typename WT>
 FT_INLINE void panels(const Args<WT>& a, int64_t r0, int64_t p0, int64_t p1, Ahead& ahead) {
   constexpr int NP = NP2 ? 2 : panel::group_panels(MR * (kNR / L), panel::kChains);
-  panel_groups<L, MR, NP, AHEAD>(a, r0, p0, p1, ahead);
+  panel_groups<L, MR, NP, AHEAD, XIN>(a, r0, p0, p1, ahead);
 }
 
 // MR from the run-time row count mr: one instantiation per value, 1..MR for single panels and
 // kMinPairRows..MR for pairs (row_chunks never gives a paired kernel fewer rows).
 constexpr int kMinPairRows = 8;
-template <int L, int MR, bool NP2, bool AHEAD, typename WT>
+template <int L, int MR, bool NP2, bool AHEAD, bool XIN = false, typename WT>
 FT_INLINE void panels_rows(const Args<WT>& a, int mr, int64_t r0, int64_t p0, int64_t p1,
                            Ahead& ahead) {
   if constexpr (MR > (NP2 ? kMinPairRows : 1)) {
-    if (mr < MR) return panels_rows<L, MR - 1, NP2, AHEAD>(a, mr, r0, p0, p1, ahead);
+    if (mr < MR) return panels_rows<L, MR - 1, NP2, AHEAD, XIN>(a, mr, r0, p0, p1, ahead);
   }
-  panels<L, MR, NP2, AHEAD>(a, r0, p0, p1, ahead);
+  panels<L, MR, NP2, AHEAD, XIN>(a, r0, p0, p1, ahead);
 }
 
 // How x's rows are cut into equal chunks (the transposed copy and the micro-kernels agree on
@@ -207,11 +218,58 @@ int64_t row_chunks(int64_t M, int64_t mr_max, int64_t mr_pairs) {
   return (M + mr - 1) / mr;
 }
 
+// GGUF-block panels [p0, p1) for every row: each L2-sized block of them is decoded once into
+// this thread's buffer (their exact fp32 weights), then every row chunk walks it with the fp32
+// micro-kernels: the fp32 panels' bits, and the decoding (~4 vector ops per 16 weights) is
+// shared by all the step's rows.
+template <int L, int MRMAX, int MRPAIRS>
+FT_INLINE void run_decoded(const Args<float>& a, int64_t p0, int64_t p1) {
+  const int64_t chunks = row_chunks(a.M, MRMAX, MRPAIRS);
+  const int64_t panel = a.K * kNR * static_cast<int64_t>(sizeof(float));
+  const int64_t block = std::max<int64_t>(2, kBlockBytes / panel & ~1);
+  thread_local std::vector<float> store;
+  store.resize(static_cast<size_t>(block * a.K * kNR + 16));
+  float* buf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) &
+                                        ~uintptr_t{63});
+  const int64_t group_bytes = panel::kGGUFGroup * panel::panel_bytes(a.gguf->format, a.K);
+  const auto group_start = [&](int64_t p) {  // the first byte of p's group (p <= P)
+    return reinterpret_cast<const char*>(a.blocks) +
+           std::min(p, (a.gguf->P + panel::kGGUFGroup - 1) / panel::kGGUFGroup *
+                           panel::kGGUFGroup) / panel::kGGUFGroup * group_bytes;
+  };
+  for (int64_t b0 = p0; b0 < p1; b0 += block) {
+    const int64_t b1 = std::min(p1, b0 + block), next = std::min(p1, b1 + block);
+    panel::decode_gguf_panels(*a.gguf, a.blocks, b0, b1, buf);
+    Args<float> d = a;
+    d.w = buf;
+    d.p_base = b0;
+    // The next block's blocks (whole groups) pulled into L2 over this block's passes.
+    const char* lo = group_start(b1);
+    const char* hi = group_start(next + panel::kGGUFGroup - 1);
+    const int64_t steps = chunks * (b1 - b0) * a.K / (MRPAIRS > 0 && chunks > 1 ? 2 : 1);
+    Ahead ahead{lo, hi, std::max<int64_t>(1, steps / ((hi - lo) / 64 + 1))};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = a.M * c / chunks, r1 = a.M * (c + 1) / chunks;
+      const int mr = static_cast<int>(r1 - r0);
+      if constexpr (MRPAIRS > 0) {
+        if (chunks > 1) {  // as run: pairs of panels past one chunk
+          panels_rows<L, MRPAIRS, true, true, true>(d, mr, r0, b0, b1, ahead);
+          continue;
+        }
+      }
+      panels_rows<L, MRMAX, false, true, true>(d, mr, r0, b0, b1, ahead);
+    }
+  }
+}
+
 // Panels [p0, p1) for every row: rows cut into equal chunks (row_chunks); with more than one
 // chunk each walks an L2-sized block of panels in turn, so the weights come from DRAM once,
 // while the next block is pulled in (Ahead).
 template <int L, int MRMAX, int MRPAIRS, typename WT>
 FT_INLINE void run(const Args<WT>& a, int64_t p0, int64_t p1) {
+  if constexpr (std::is_same_v<WT, float>) {
+    if (a.gguf != nullptr) return run_decoded<L, MRMAX, MRPAIRS>(a, p0, p1);
+  }
   const int64_t chunks = row_chunks(a.M, MRMAX, MRPAIRS);
   Ahead none{nullptr, nullptr, 1};
   if (chunks == 1)
@@ -434,7 +492,8 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const Kernel<WT, XT> kern = pick_kernel<WT, XT>();
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   const float* xp = nullptr;
-  if (M > 1 || !std::is_same_v<XT, float>) {
+  const bool decoded = h.format == panel::kQ4_1 || h.format == panel::kQ8_0;
+  if (!decoded && (M > 1 || !std::is_same_v<XT, float>)) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
     const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
     const int tthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
@@ -445,8 +504,13 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   } else {
     xp = reinterpret_cast<const float*>(x.data_ptr<XT>());
   }
-  const WT* w = reinterpret_cast<const WT*>(packed.data_ptr()) + h.offset;
-  Args<WT> a{xp, w, b, y.data_ptr<float>(), M, h.N, h.K};
+  Args<WT> a{xp, nullptr, b, y.data_ptr<float>(), M, h.N, h.K};
+  if (h.format == panel::kQ4_1 || h.format == panel::kQ8_0) {  // decoded a block at a time
+    a.gguf = &h;
+    a.blocks = packed.data_ptr<uint8_t>() + h.offset;
+  } else {
+    a.w = reinterpret_cast<const WT*>(packed.data_ptr()) + h.offset;
+  }
   // One thread's time, roughly: the weight bytes at ~20 GB/s or the flops at ~80 GFLOP/s.
   const double w_bytes = static_cast<double>(h.P) * h.K * kNR * sizeof(WT);
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
@@ -497,8 +561,11 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
       return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
     case panel::kQ4_1:
     case panel::kQ8_0:
-      panel::gguf_panel_linear(x, packed, h, b, y);
-      return y;
+      if (M <= panel::kGGUFFewRows) {
+        panel::gguf_panel_linear(x, packed, h, b, y);
+        return y;
+      }
+      break;  // many rows: the fp32 kernels over the blocks decoded (run_decoded)
     case panel::kF32:
       break;
   }

@@ -16,8 +16,11 @@ at::Tensor panel_pack_cpu(const at::Tensor& weight);
 
 // GGUF rows [N, K / 32 * block bytes] (uint8) of type "Q4_1" or "Q8_0" -> the packed form: a
 // 1-D uint8 tensor, the same header (dtype 2 Q4_1 / 3 Q8_0) then the blocks regrouped per panel
-// (csrc/linear/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it.
-at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K);
+// (csrc/linear/quant_linear_cpu.cpp); panel_linear_cpu takes fp32 x over it. release_rows: the
+// rows are a view of a file's read-only memory map, whose pages are unmapped as packing consumes
+// them (they must not be written or be anonymous memory: that would lose them).
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K,
+                         bool release_rows);
 
 // {N, K} of a packed tensor (checks its header).
 std::vector<int64_t> panel_shape_cpu(const at::Tensor& packed);

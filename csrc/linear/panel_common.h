@@ -31,6 +31,17 @@ enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
 // The blocks of each group of 4 panels interleave (quant_linear_cpu.cpp: block_index).
 constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
 constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
+// GGUF-block panels: steps of at most this many rows dequantize in registers per row chunk of
+// <= 16 (quant_linear_cpu.cpp); longer ones decode each L2-sized block of panels once into fp32
+// for the fp32 micro-kernels (linear_cpu.cpp run_decoded). Both give the fp32 panels' bits.
+// NOTE: measured on SmolLM2's layer linears, 2 threads, time against the fp32 panels: in
+// registers 0.57 / 0.91 / 0.98 / 1.02 / 1.08 at 9 / 16 / 48 / 64 / 96 rows, decoded 1.01 / 1.00
+// / 1.01 at 48 / 64 / 96 and 1.03 at 224 (the decoding itself is ~2 % of that call); reading x
+// in place rather than transposed then took 224 rows to 0.91 (docs/kernel.md).
+constexpr int64_t kGGUFFewRows = 48;
+// GGUF-block panels go in groups of this many whose blocks interleave (quant_linear_cpu.cpp):
+// panels [p0, p1) lie within the bytes of groups p0 / kGGUFGroup .. ceil(p1 / kGGUFGroup).
+constexpr int64_t kGGUFGroup = 4;
 constexpr int kChains = 8;                 // independent FMA chains wanted per micro-kernel
 // Panels a micro-kernel takes at once when one panel's rows hold `accumulators` vectors: a power
 // of two giving at least `chains` independent FMA chains. NOTE: never the k loop: every output
@@ -68,6 +79,12 @@ int64_t panel_bytes(Format format, int64_t K);
 // kQ4_1 / kQ8_0). Defined in quant_linear_cpu.cpp; panel_linear_cpu dispatches to it.
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y);
+
+// Panels [p0, p1) of GGUF-block panels (h.format kQ4_1 / kQ8_0; `panels` = the first panel's
+// first byte) decoded to their exact fp32 weights, as fp32 panels [p1 - p0][K][kNR] at `out`.
+// Defined in quant_linear_cpu.cpp; linear_cpu.cpp's many-rows path runs over them.
+void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
+                        float* out);
 
 using vec::in_register;
 using vec::loadu;

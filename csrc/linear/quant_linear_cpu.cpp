@@ -20,6 +20,9 @@
 // blocks of each group of 4 panels interleave, block by block (block_index), so the kernel
 // reads a group as one stream.
 //
+// Steps of more than kGGUFFewRows rows do not come here: linear_cpu.cpp decodes a block of panels
+// at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
+//
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
 // up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels);
 // per block row the dequantized vector is shared by the MR FMAs. Every output is one FMA chain
@@ -31,6 +34,11 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "common/isa.h"
 #include "common/task_pool.h"
@@ -64,7 +72,7 @@ constexpr double kSplitNs = panel::kInlineNs;
 // few-row kernel takes a group's panels at once (for its FMA chains), and so reads one stream,
 // as one panel at a time did. NOTE: four panels' blocks side by side cost one row cold reads
 // from four streams: the bare decode 1 x 1 forward at one thread 3.6-4.2 -> 5.6-6.3 ms.
-constexpr int64_t kGroup = 4;
+constexpr int64_t kGroup = panel::kGGUFGroup;
 
 // Where block b of panel p starts, in blocks (P panels of nb blocks).
 FT_INLINE int64_t block_index(int64_t p, int64_t b, int64_t nb, int64_t P) {
@@ -232,11 +240,83 @@ FT_INLINE void run(const Args& a, int64_t p0, int64_t p1) {
   }
 }
 
-// Registers: AVX-512 holds 8 rows' accumulators and the block's vectors in its 32; AVX2 (two
-// vectors a panel row) 3 rows in 16; SSE2 (four) 1.
+// Panels [p0, p1) decoded to their fp32 weights in the fp32 panels' layout ([K, 16] each, panel
+// p0 first): the many-rows path of linear_cpu.cpp runs the fp32 micro-kernels over them.
+template <int L, Format F>
+FT_INLINE void decode(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* out) {
+  using vf = typename Vec<L>::f;
+  using vu = typename Vec<L>::u;
+  constexpr int V = kNR / L;
+  constexpr bool kQ41 = F == panel::kQ4_1;
+  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  constexpr int kRows = kQ41 ? 8 : 4;
+  constexpr int kScales = kQ41 ? 2 : 1;
+  const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
+  // In the order the blocks lie (a group's blocks interleave, block_index): one forward stream.
+  for (int64_t g0 = p0 / kGroup * kGroup; g0 < p1; g0 += kGroup)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t p = std::max(g0, p0); p < std::min({g0 + kGroup, p1, P}); ++p) {
+      float* o = out + (p - p0) * K * kNR;
+      const uint8_t* bj = w + block_index(p, b, nb, P) * kBlock;
+      const float* dp = reinterpret_cast<const float*>(bj);
+      const uint8_t* q = bj + kScales * kNR * 4;
+      vf d[V], mn[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; ++v) {
+        d[v] = loadu<L>(dp + v * L);
+        mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < 32 / kRows; ++g) {
+        vu words[V];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+#pragma GCC unroll 8
+        for (int t = 0; t < kRows; ++t)
+#pragma GCC unroll 64
+          for (int v = 0; v < V; ++v) {
+            const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
+            std::memcpy(o + (b * 32 + kRows * g + t) * kNR + v * L, &r, sizeof r);
+          }
+      }
+      }
+}
+
+template <Format F>
+FT_TARGET_AVX512 void decode_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t p0,
+                                    int64_t p1, float* out) {
+  decode<16, F>(w, N, K, p0, p1, out);
+}
+template <Format F>
+FT_TARGET_AVX2 void decode_avx2(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1,
+                                float* out) {
+  decode<8, F>(w, N, K, p0, p1, out);
+}
+template <Format F>
+void decode_base(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* out) {
+  decode<4, F>(w, N, K, p0, p1, out);
+}
+
+template <Format F>
+void decode_any(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* out) {
+  const Isa isa = current_isa();
+  if (isa == Isa::kAvx512) return decode_avx512<F>(w, N, K, p0, p1, out);
+  if (isa == Isa::kAvx2) return decode_avx2<F>(w, N, K, p0, p1, out);
+  decode_base<F>(w, N, K, p0, p1, out);
+}
+
+// Registers: AVX-512 holds 16 rows' accumulators and the block's vectors in its 32 (one panel
+// at a time from 8 rows: 8 chains); AVX2 (two vectors a panel row) 3 rows in 16; SSE2 (four) 1.
+// NOTE: 16 rows, not 8: 9-16 rows in one chunk dequantize each block once, not twice
+// (SmolLM2's layer linears at 12 rows: 13.7 -> 7.7 ms, 16 rows: 13.4 -> 9.9). Steps of at most
+// 8 rows (decode) keep a function of their own, the code they had before.
 template <Format F>
 FT_TARGET_AVX512 void run_avx512(const Args& a, int64_t p0, int64_t p1) {
   run<16, 8, F>(a, p0, p1);
+}
+template <Format F>
+FT_TARGET_AVX512 void run_avx512_16(const Args& a, int64_t p0, int64_t p1) {
+  run<16, 16, F>(a, p0, p1);
 }
 template <Format F>
 FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) {
@@ -253,9 +333,9 @@ struct Kernel {
 };
 
 template <Format F>
-Kernel pick_kernel() {
+Kernel pick_kernel(int64_t M) {
   const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
-  if (isa == Isa::kAvx512) return {&run_avx512<F>, 8};
+  if (isa == Isa::kAvx512) return M <= 8 ? Kernel{&run_avx512<F>, 8} : Kernel{&run_avx512_16<F>, 16};
   if (isa == Isa::kAvx2) return {&run_avx2<F>, 3};
   return {&run_base<F>, 1};
 }
@@ -266,14 +346,33 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(h);  // exact
 }
 
-// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero.
+// Unmaps the whole pages of [lo, hi) from the process (a read-only file mapping: they refault
+// from the page cache if read again).
+void release_pages(const uint8_t* lo, const uint8_t* hi) {
+#if defined(__linux__)
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(lo) + page - 1) & ~(page - 1);
+  const uintptr_t b = reinterpret_cast<uintptr_t>(hi) & ~(page - 1);
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
+#else
+  (void)lo;
+  (void)hi;
+#endif
+}
+
+// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero. `release`:
+// the rows are a file's memory map, whose pages are unmapped as they are consumed (so packing a
+// 30 MB lm_head does not hold its 30 MB of file pages until the end as well).
 void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N, int64_t K,
-                      uint8_t* dst) {
+                      uint8_t* dst, bool release) {
   const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
   const int64_t block = f == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
   const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  constexpr int64_t kReleasePanels = 256;
   std::memset(dst, 0, P * nb * block);
   for (int64_t p = 0; p < P; ++p) {
+    if (release && p > 0 && p % kReleasePanels == 0)
+      release_pages(src + (p - kReleasePanels) * kNR * row_bytes, src + p * kNR * row_bytes);
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* out = dst + block_index(p, b, nb, P) * block;
       float* d = reinterpret_cast<float*>(out);
@@ -300,7 +399,8 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N
 
 }  // namespace
 
-at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K) {
+at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K,
+                         bool release_rows) {
   const Format f = type == "Q4_1" ? panel::kQ4_1 : panel::kQ8_0;
   TORCH_CHECK(type == "Q4_1" || type == "Q8_0", "pack_gguf_panels: type must be Q4_1 or Q8_0, "
               "got ", type);
@@ -313,6 +413,8 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
   TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / 32 * source,
               "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / 32 * source,
               " bytes; blocks is [", N, ", ", blocks.size(1), "]");
+  TORCH_CHECK(!release_rows || blocks.is_contiguous(),
+              "pack_gguf_panels: release_rows needs contiguous rows (a view of the file's map)");
   const at::Tensor src = blocks.contiguous();
   const int64_t P = (N + kNR - 1) / kNR;
   at::Tensor out = at::empty({panel::kHeaderBytes + P * panel::panel_bytes(f, K)},
@@ -320,16 +422,25 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
   panel::advise_huge_pages(out.data_ptr(), out.numel());
   panel::write_header(out, N, K, f);
   fill_gguf_panels(src.data_ptr<uint8_t>(), src.size(1), f, N, K,
-                   out.data_ptr<uint8_t>() + panel::kHeaderBytes);
+                   out.data_ptr<uint8_t>() + panel::kHeaderBytes, release_rows);
   return out;
 }
 
 namespace panel {
 
+void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
+                        float* out) {
+  if (h.format == kQ4_1) {
+    decode_any<kQ4_1>(panels, h.N, h.K, p0, p1, out);
+  } else {
+    decode_any<kQ8_0>(panels, h.N, h.K, p0, p1, out);
+  }
+}
+
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0);
-  const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>() : pick_kernel<kQ8_0>();
+  const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>(M) : pick_kernel<kQ8_0>(M);
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.

@@ -106,6 +106,7 @@ def load_model(
     if is_gguf:
         from freetoken.loader.gguf import (
             fp32_bytes,
+            matrix_types,
             open_gguf,
             read_blocks,
             read_config,
@@ -119,7 +120,7 @@ def load_model(
         config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
         blocks = None
-        if gguf_in_place(dtype, device, fp32_bytes(reader)):  # stay in the file's blocks
+        if gguf_in_place(dtype, device, fp32_bytes(reader), matrix_types(reader)):
             weights, matrices = read_in_place(reader, config, progress=progress)
         else:
             weights, matrices = read_weights(reader, config, progress=progress), None

@@ -1,11 +1,12 @@
 """GGUF file -> (ModelConfig, HF-named weights), the file read by loader/gguf_file.py.
 
 Two ways to read the weights (model/linear.py gguf_in_place chooses):
-  * read_in_place (fp32 on the CPU extension, models over 1 GiB as fp32): every matrix stays
-    where the file's read-only memory map has it, handed over as a GGUFMatrix (row offsets into
-    the map, q/k rows un-permuted by reordering their offsets: a row's blocks move with it);
-    only the small tensors (norms, biases) are dequantised. A matrix of a type the in-place
-    kernel does not take is an error naming the tensor and its type.
+  * read_in_place (fp32 on the CPU extension, models over 1 GiB as fp32 or whose matrices are
+    all Q4_1 / Q8_0): every matrix stays where the file's read-only memory map has it, handed
+    over as a GGUFMatrix (row offsets into the map, q/k rows un-permuted by reordering their
+    offsets: a row's blocks move with it); only the small tensors (norms, biases) are
+    dequantised. A matrix of a type the in-place kernel does not take is an error naming the
+    tensor and its type. (GGUFMatrix.pack may then repack the blocks: model/linear.py.)
   * read_weights: every tensor dequantised to fp32, each weight exactly the value
     `gguf.quants.dequantize` gives (through freetoken.ops.dequantize_gguf's C++ kernel where it
     covers the type, through the gguf package itself for the rest); the model casts to its dtype.
@@ -157,6 +158,11 @@ def _hf_name(name: str) -> str | None:
 def fp32_bytes(reader: GGUFFile) -> int:
     """The bytes of the file's weights as fp32 (what dequantising them would keep)."""
     return 4 * sum(int(t.n_elements) for t in reader.tensors)
+
+
+def matrix_types(reader: GGUFFile) -> set[str]:
+    """The GGUF types of the file's 2-D weights."""
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

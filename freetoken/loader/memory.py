@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from freetoken.loader.gguf_file import GGUFFile
+
 GiB = 2**30
 
 
@@ -32,19 +34,26 @@ class WeightBytes:
 
 def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> WeightBytes:
     """The bytes the loaded model's weights will hold: a GGUF served in place (model/linear.py
-    gguf_in_place) its tensors' bytes as the file stores them; otherwise every parameter in
+    gguf_in_place) its tensors' bytes as the file stores them, plus what its Q4_1 / Q8_0 block
+    panels hold beyond their blocks (_block_panel_extra); otherwise every parameter in
     `dtype` and, on the CPU, the packed forms the kernels keep beside it (a tied lm_head's
     packed copy; bf16's second, panel copy of every matrix; fp32's Q4_1 / Q8_0 blocks for steps
     of few rows). `reader`: the GGUF's open GGUFFile, when the caller has one."""
-    from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
+    from freetoken.model.linear import block_panels_wanted, gguf_blocks_wanted, gguf_in_place
 
     elem = torch.empty((), dtype=dtype).element_size()
     blocks = 0
     if path.is_file():
-        params, matrices, tied, lm_head, file_bytes, blocks = _gguf_counts(path, reader)
-        if gguf_in_place(dtype, device, 4 * params):
-            return WeightBytes(file_bytes, f"{params / 1e9:.2f}B parameters in the file's "
-                                           f"blocks, {file_bytes / GiB:.1f} GiB memory-mapped")
+        tensors = (reader or GGUFFile(path)).tensors
+        params, matrices, tied, lm_head, file_bytes, blocks = _gguf_counts(tensors)
+        if gguf_in_place(dtype, device, 4 * params,
+                         {t.tensor_type.name for t in tensors if len(t.shape) == 2}):
+            detail = (f"{params / 1e9:.2f}B parameters in the file's blocks, "
+                      f"{file_bytes / GiB:.1f} GiB memory-mapped")
+            extra = _block_panel_extra(tensors, tied) if block_panels_wanted() else 0
+            if extra:
+                detail += f", {extra / GiB:.2f} GiB more as Q4_1 / Q8_0 block panels"
+            return WeightBytes(file_bytes + extra, detail)
     else:
         params, matrices, tied, lm_head, _ = _safetensors_counts(path)
     total, parts = params * elem, [f"{params / 1e9:.2f}B parameters in {_name(dtype)}"]
@@ -109,12 +118,10 @@ def _name(dtype: torch.dtype) -> str:
 Counts = tuple[int, int, bool, int, int]
 
 
-def _gguf_counts(path: Path, reader=None) -> tuple[int, int, bool, int, int, int]:
+def _gguf_counts(tensors) -> tuple[int, int, bool, int, int, int]:
     """Counts (above) and the bytes of the Q4_1 / Q8_0 matrices kept for decode steps."""
-    from freetoken.loader.gguf_file import GGUFFile
     from freetoken.model.linear import GGUF_BLOCK_TYPES
 
-    tensors = (reader or GGUFFile(path)).tensors
     names = {t.name for t in tensors}
     params = sum(int(t.n_elements) for t in tensors)
     matrices = sum(int(t.n_elements) for t in tensors if len(t.shape) == 2)
@@ -123,6 +130,23 @@ def _gguf_counts(path: Path, reader=None) -> tuple[int, int, bool, int, int, int
     blocks = sum(int(t.n_bytes) for t in tensors
                  if len(t.shape) == 2 and t.tensor_type.name in GGUF_BLOCK_TYPES)
     return params, matrices, "output.weight" not in names, embed, file_bytes, blocks
+
+
+def _block_panel_extra(tensors, tied: bool) -> int:
+    """The bytes the Q4_1 / Q8_0 matrices' block panels (model/linear.py GGUFMatrix.pack) hold
+    beyond the file's blocks they replace; a tied embedding's blocks stay mapped for its lookups
+    beside the lm_head's panels."""
+    from freetoken.model.linear import GGUF_BLOCK_TYPES, block_panel_bytes
+
+    extra = 0
+    for t in tensors:
+        kind = t.tensor_type.name
+        if len(t.shape) != 2 or kind not in GGUF_BLOCK_TYPES:
+            continue
+        in_features, out_features = (int(n) for n in t.shape)
+        panels = block_panel_bytes(kind, out_features, in_features)
+        extra += panels if tied and t.name == "token_embd.weight" else panels - int(t.n_bytes)
+    return extra
 
 
 def _safetensors_counts(path: Path) -> Counts:

@@ -55,6 +55,14 @@ def build_model(
                     and ops.cpu_isa() == "avx512" else "AVX2" if ops.cpu_isa() != "base"
                     else "portable loop", f"; {'/'.join(exact_types)} weights computed exact "
                     "(no int8 kernel)" if exact_types else "")
+    elif form == "block panels":
+        repacked = sorted({t for m in linears if m.block_panels_ready() for t in m.types})
+        logger.info("linear layers: the GGUF's %s blocks regrouped into panels of 16 outputs "
+                    "(one copy; the file's pages unmapped)%s, decoded exactly in freetoken._C "
+                    "(%s): in registers for short steps, into fp32 a block of panels at a time for "
+                    "long ones; fp32 FMAs in one summation order for every step size",
+                    "/".join(repacked), "; " + "/".join(sorted(set(types) - set(repacked))) +
+                    " blocks in place" if set(types) - set(repacked) else "", ops.cpu_isa())
     elif form == "gguf":
         logger.info("linear layers: the GGUF's %s blocks in place (memory-mapped, no fp32 copy), "
                     "decoded exactly in freetoken._C (%s), fp32 FMAs in one summation order for "

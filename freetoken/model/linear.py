@@ -12,21 +12,29 @@ All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a
 panels' order, and the in-place kernel's, never depends on the row count: a row's result is the
 same whatever steps beside it (batch invariance: docs/api.md, Determinism).
 
-A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32 (fp32 on the CPU with
-freetoken._C, linear "auto"; "gguf" whatever the size) takes none of these: its weights stay in
-the file's blocks where its read-only memory map has them (GGUFMatrix, from
-freetoken/loader/gguf.py; ops.gguf_matrix, csrc/linear/gguf_linear.cpp), every step size
+A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32, or whose matrices are all
+Q4_1 / Q8_0 (fp32 on the CPU with freetoken._C, linear "auto"; "gguf" whatever the file), is
+never dequantized whole (gguf_in_place): its weights stay in the file's blocks where its
+read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py), every step size
 computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
 summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB
-instead of ~5.5. In the int8 compute mode (ops.configure(compute="int8"), any size) a GGUF's
-quantized weights become int8 matrices instead (GGUFMatrix.pack: ops.int8_matrix, a repacked
-copy of their codes at about the file's size, the file's pages unmapped once it exists); the
-types without an int8 kernel keep the descriptor.
+instead of ~5.5, SmolLM2 (Q4_1) in under 400 MiB instead of ~1.05 GiB. GGUFMatrix.pack gives each
+matrix its form:
+  * Q4_1 / Q8_0 under "auto": the blocks regrouped into panels (ops.pack_gguf_panels,
+    csrc/linear/quant_linear_cpu.cpp; a repacked copy at 1.2x / 1.06x the file's bytes, whose
+    pages of the file are then unmapped). Short steps dequantize them in registers, long ones
+    decode a block of panels at a time into fp32 for the fp32 panels' micro-kernels: the fp32
+    panels' bits and, measured on SmolLM2, their speed (0.57-1.03x their time by row count);
+  * the other types, and every type under "gguf": the descriptor of the blocks in place
+    (ops.gguf_matrix, csrc/linear/gguf_linear.cpp);
+  * in the int8 compute mode (ops.configure(compute="int8")): int8 matrices (ops.int8_matrix, a
+    repacked copy of their codes at about the file's size, the file's pages unmapped once it
+    exists); the types without an int8 kernel keep the descriptor.
 
 Steps of at most FEW_ROWS rows can take a second form (`few_rows`):
-  * fp32 weights of a smaller GGUF that its file stores as Q4_1 / Q8_0 blocks (GGUFBlocks): the
-    blocks packed into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp), each
-    weight dequantized in registers to exactly the fp32 value of the plain weight;
+  * fp32 weights of a smaller GGUF dequantized at load whose file stores some as Q4_1 / Q8_0
+    blocks (GGUFBlocks): those blocks as panels (ops.pack_gguf_panels), each weight dequantized
+    in registers to exactly the fp32 value of the plain weight;
   * bf16 weights: panels next to oneDNN (below).
 
 The packed weight replaces the plain one: a panel tensor or a GGUF descriptor is 1-D (its header
@@ -55,11 +63,12 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 GGUF_BLOCK_TYPES = ops.GGUF_PANEL_TYPES  # ("Q4_1", "Q8_0")
 
-# NOTE: below this a GGUF's fp32 copy fits easily and is faster: SmolLM2 (0.5 GB as fp32) served
-# by the in-place kernels ran classify 0.76x, decode 8 streams 0.57x and one stream 0.64x its
-# fp32 panels plus Q4_1 panels (scripts/ab_serve.py, 2026-12-03): their 32-weight blocks carry
-# two fp16 scales each, converted per block per output in the native layout, where the packed
-# panels hold them as fp32 once. Above it the fp32 copy is the problem (1B: 5.5 GB resident).
+# NOTE: below this a GGUF with matrices of other types than Q4_1 / Q8_0 keeps an fp32 copy: it
+# fits easily, and the in-place kernels were slower on SmolLM2 (classify 0.76x, decode 8
+# streams 0.57x, one stream 0.64x the fp32 panels plus Q4_1 panels, scripts/ab_serve.py,
+# 2026-12-03: their 32-weight blocks carry two fp16 scales each, converted per block per output
+# in the native layout, where the packed panels hold them as fp32 once). Above it the fp32 copy
+# is the problem (1B: 5.5 GB resident).
 IN_PLACE_MIN_BYTES = 1 << 30
 
 
@@ -119,21 +128,45 @@ class GGUFMatrix:
         return ops.config().compute == "int8" and all(ops.int8_matrix_available(t)
                                                       for t in self.types)
 
+    def block_panels_ready(self) -> bool:
+        """True when this weight becomes GGUF-block panels (block_panels_wanted, one type of
+        GGUF_BLOCK_TYPES): Q4_1 / Q8_0 blocks regrouped per 16 outputs, which every step size
+        computes with fastest (few rows dequantize in registers, many rows decode a block of
+        panels at a time for the fp32 micro-kernels) in the fp32 panels' summation order."""
+        return block_panels_wanted() and len(set(self.types)) == 1 \
+            and self.types[0] in GGUF_BLOCK_TYPES and self.in_features % 32 == 0
+
     def pack(self) -> torch.Tensor:
-        """What panel_linear computes with: the int8 matrix (ops.int8_matrix, a repacked copy)
-        where int8_ready(), else the descriptor of the blocks in place (ops.gguf_matrix)."""
+        """What panel_linear computes with: the int8 matrix (ops.int8_matrix) where
+        int8_ready(), the block panels (ops.pack_gguf_panels) where block_panels_ready() (both
+        repacked copies: the file's pages are then unmapped), else the descriptor of the blocks
+        in place (ops.gguf_matrix)."""
         if self.int8_ready():
             packed = ops.int8_matrix(self.mapping, self.offsets, self.types, self.ends,
                                      self.in_features)
-            self._drop_file_pages()
-            return packed
-        return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
-                               self.in_features)
+        elif self.block_panels_ready():
+            rows, in_map = self.block_rows()
+            packed = ops.pack_gguf_panels(rows, self.types[0], self.in_features,
+                                          release_rows=in_map)
+        else:
+            return ops.gguf_matrix(self.mapping, self.offsets, self.types, self.ends,
+                                   self.in_features)
+        self._drop_file_pages()
+        return packed
+
+    def block_rows(self) -> tuple[torch.Tensor, bool]:
+        """(the rows' blocks as [out, row bytes] uint8 (one type), whether that is a view of the
+        mapping): a view where they lie in order, else a copy of them in this order."""
+        try:
+            return self.row_table(), True
+        except ValueError:
+            row_bytes = ops.gguf_row_bytes(self.types[0], self.in_features)
+            return self.mapping.unfold(0, row_bytes, 1).index_select(0, self.offsets), False
 
     def _drop_file_pages(self) -> None:
         """Unmap this weight's pages of the file from the process (madvise DONTNEED; they stay in
-        the page cache): once its int8 copy exists they are not read again (an embedding's rows
-        fault back in as they are looked up), so the peak holds one copy, not two."""
+        the page cache): once its repacked copy exists they are not read again (an embedding's
+        rows fault back in as they are looked up), so the peak holds one copy, not two."""
         starts = self.offsets
         row_bytes = max(ops.gguf_row_bytes(t, self.in_features) for t in self.types)
         lo, hi = int(starts.min()), int(starts.max()) + row_bytes
@@ -156,18 +189,36 @@ class GGUFMatrix:
             self.out_features, row_bytes)
 
 
+def block_panels_wanted() -> bool:
+    """True when a GGUF's Q4_1 / Q8_0 matrices served in place become block panels (linear
+    "auto", the exact compute mode)."""
+    return ops.config().linear == "auto" and ops.config().compute == "exact"
+
+
+def block_panel_bytes(type: str, out_features: int, in_features: int) -> int:  # noqa: A002
+    """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0):
+    a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and 16 fp32 mins)
+    and the 512 codes (4 or 8 bits)."""
+    block = {"Q4_1": 2 * 64 + 256, "Q8_0": 64 + 512}[type]
+    return 64 + -(-out_features // 16) * (in_features // 32) * block
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: int) -> bool:
-    """True when a GGUF's weights (`fp32_bytes` as fp32) of `dtype` on `device` stay in the
-    file's blocks here: fp32 on the CPU extension, linear "gguf", or "auto" above
-    IN_PLACE_MIN_BYTES; the loader dequantizes them otherwise."""
+def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: int,
+                  matrix_types: set[str] | frozenset[str] = frozenset()) -> bool:
+    """True when a GGUF's weights (`fp32_bytes` as fp32; its 2-D weights of `matrix_types`) of
+    `dtype` on `device` are never dequantized whole here: fp32 on the CPU extension, linear
+    "gguf", or "auto" above IN_PLACE_MIN_BYTES or where every matrix is Q4_1 / Q8_0 (they become
+    block panels: GGUFMatrix.pack); the loader dequantizes them otherwise."""
     mode = ops.config().linear
     int8 = ops.config().compute == "int8"  # the int8 kernels read the blocks' codes
-    return (mode == "gguf" or int8 or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)) \
+    block_panels = bool(matrix_types) and set(matrix_types) <= set(GGUF_BLOCK_TYPES)
+    return (mode == "gguf" or int8
+            or (mode == "auto" and (fp32_bytes > IN_PLACE_MIN_BYTES or block_panels))) \
         and dtype == torch.float32 and torch.device(device).type == "cpu" \
         and ops.panel_linear_available(torch.empty(0))
 
@@ -250,13 +301,16 @@ def few_rows_form(few_rows: torch.Tensor | None) -> str | None:
 
 
 def packed_form(weight: torch.Tensor) -> str:
-    """"gguf" (a GGUF descriptor), "int8" (an int8 matrix), "panels", "onednn" or "plain"."""
+    """"gguf" (a GGUF descriptor), "int8" (an int8 matrix), "block panels" (GGUF Q4_1 / Q8_0
+    blocks as panels), "panels" (fp32 / bf16), "onednn" or "plain"."""
     if weight.is_mkldnn:
         return "onednn"
     if weight.dim() == 1:
         if ops.is_gguf_matrix(weight):
             return "gguf"
-        return "int8" if ops.is_int8_matrix(weight) else "panels"
+        if ops.is_int8_matrix(weight):
+            return "int8"
+        return "block panels" if ops.gguf_panel_type(weight) else "panels"
     return "plain"
 
 

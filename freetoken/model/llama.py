@@ -195,8 +195,8 @@ class DecoderLayer(nn.Module):
         if c.qk_norm or not ops.decoder_layer_available(self.input_layernorm.weight):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        main = [p.weight if packed_form(p.weight) in ("panels", "gguf", "int8") else None
-                for p in linears]
+        served = ("panels", "block panels", "gguf", "int8")
+        main = [p.weight if packed_form(p.weight) in served else None for p in linears]
         self.fused = ops.decoder_layer(
             self.input_layernorm.weight, self.post_attention_layernorm.weight, main,
             [p.few_rows for p in linears], [p.bias for p in linears],

@@ -47,11 +47,15 @@ GGUF_PANEL_TYPES = ("Q4_1", "Q8_0")
 _GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights in the GGUF file
 
 
-def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int) -> torch.Tensor:  # noqa: A002
+def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A002
+                     release_rows: bool = False) -> torch.Tensor:
     """A weight W [N, K] as its GGUF file stores it (rows [N, K / 32 * block bytes] uint8 of
     `type`, one of GGUF_PANEL_TYPES) -> packed panels (1-D uint8, the pack_panels header with
     dtype 2 / 3) for panel_linear with fp32 x. Each weight is dequantized in registers to exactly
-    the fp32 value gguf.quants.dequantize gives (csrc/linear/quant_linear_cpu.cpp)."""
+    the fp32 value gguf.quants.dequantize gives (csrc/linear/quant_linear_cpu.cpp).
+    `release_rows`: `rows` is a contiguous view of a file's read-only memory map, whose pages are
+    unmapped from the process as they are consumed (never pass anything else: anonymous memory
+    would be zeroed)."""
     require_ext("pack_gguf_panels")
     if type not in GGUF_PANEL_TYPES:
         raise ValueError(f"pack_gguf_panels: type must be one of {GGUF_PANEL_TYPES}, got {type!r}")
@@ -63,7 +67,7 @@ def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int) -> torch.T
             or rows.device.type != "cpu" or rows.shape[0] == 0 or rows.shape[1] != row_bytes:
         raise ValueError(f"pack_gguf_panels: rows must be a uint8 CPU tensor [N >= 1, "
                          f"{row_bytes}] ({type} blocks of {in_features} weights)")
-    return _C.gguf_pack(rows, type, in_features)
+    return _C.gguf_pack(rows, type, in_features, release_rows)
 
 
 def gguf_panel_type(packed: torch.Tensor) -> str | None:

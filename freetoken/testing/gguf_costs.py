@@ -33,7 +33,8 @@ def model_shape(path: str) -> dict:
     tied = "output.weight" not in names
     n_params = sum(int(t.n_elements) for t in r.tensors)
     step = [{"name": t.name, "type": t.tensor_type.name, "dims": len(t.shape),
-             "elements": int(t.n_elements), "bytes": int(t.n_bytes)} for t in r.tensors
+             "shape": [int(n) for n in t.shape], "elements": int(t.n_elements),
+             "bytes": int(t.n_bytes)} for t in r.tensors
             if t.name != "token_embd.weight" or tied]
     d = {"arch": arch, "layers": get("block_count"), "hidden": get("embedding_length"),
          "ffn": get("feed_forward_length"), "heads": get("attention.head_count"),
@@ -63,14 +64,16 @@ def _by_type(pairs) -> dict[str, int]:
 
 
 def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
-    """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads. A model over
-    IN_PLACE_MIN_BYTES as fp32 computes in place (model/linear.py GGUFMatrix; a fused q|k|v may
-    mix types): its matrices as the file's blocks; a smaller one is dequantized at load
-    (_dequantized_step_weights). `block_types`: the types of the blocks kept (in place: those
-    the kernel takes; dequantized: Q4_1 / Q8_0)."""
-    from freetoken.model.linear import GGUF_BLOCK_TYPES, IN_PLACE_MIN_BYTES
+    """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads (linear "auto").
+    A model over IN_PLACE_MIN_BYTES as fp32, or whose matrices are all Q4_1 / Q8_0, is never
+    dequantized (model/linear.py gguf_in_place): its Q4_1 / Q8_0 matrices (a fused group: of one
+    such type) as block panels, the rest as the file's blocks; a smaller one is dequantized at
+    load (_dequantized_step_weights). `block_types`: the types of the blocks kept (in place:
+    those the kernel takes; dequantized: Q4_1 / Q8_0)."""
+    from freetoken.model.linear import GGUF_BLOCK_TYPES, IN_PLACE_MIN_BYTES, block_panel_bytes
 
-    if 4 * s["params"] <= IN_PLACE_MIN_BYTES:
+    matrix_types = {t["type"] for t in s["step_tensors"] if t["dims"] >= 2}
+    if 4 * s["params"] <= IN_PLACE_MIN_BYTES and not matrix_types <= set(GGUF_BLOCK_TYPES):
         return _dequantized_step_weights(
             s, GGUF_BLOCK_TYPES if block_types is None else block_types)
     if block_types is None:
@@ -78,22 +81,25 @@ def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
 
         block_types = tuple(_C.gguf_matrix_types()) if _C is not None else ()
     forms = []
-    for t in s["step_tensors"]:
-        if t["dims"] < 2:
-            forms.append((f"{t['type']} vectors", t["bytes"]))
-        elif t["type"] in block_types:
-            forms.append((f"{t['type']} blocks", t["bytes"]))
-        else:
-            forms.append((f"fp32 panels of {t['type']}", 4 * t["elements"]))
+    for parts in _fused_groups(s):
+        types = {t["type"] for t in parts}
+        panels = len(types) == 1 and types <= set(GGUF_BLOCK_TYPES)
+        for t in parts:
+            if t["dims"] < 2:
+                forms.append((f"{t['type']} vectors", t["bytes"]))
+            elif panels:
+                forms.append((f"{t['type']} block panels",
+                              block_panel_bytes(t["type"], t["shape"][1], t["shape"][0])))
+            elif t["type"] in block_types:
+                forms.append((f"{t['type']} blocks", t["bytes"]))
+            else:
+                forms.append((f"fp32 panels of {t['type']}", 4 * t["elements"]))
     by_form = _by_type(forms)
     return sum(by_form.values()), by_form
 
 
-def _dequantized_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]]:
-    """fp32_step_weights of a model dequantized at load (under IN_PLACE_MIN_BYTES as fp32): a
-    matrix whose type is in `block_types` (and, in a fused group, every part of one such type)
-    as the file's Q4_1 / Q8_0 blocks, every other one as fp32 panels (4 bytes a weight); norms as
-    the file has them."""
+def _fused_groups(s: dict) -> list[list[dict]]:
+    """The step's tensors grouped as FreeToken fuses them (FUSED); the rest alone."""
     groups: dict[str, list[dict]] = {}
     for t in s["step_tensors"]:
         key = t["name"]
@@ -101,8 +107,15 @@ def _dequantized_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]
             if t["name"].endswith(group):
                 key = t["name"].rsplit(".", 2)[0] + "/" + "+".join(group)
         groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def _dequantized_step_weights(s: dict, block_types) -> tuple[int, dict[str, int]]:
+    """fp32_step_weights of a model dequantized at load: a matrix whose type is in
+    `block_types` (and, in a fused group, every part of one such type) as the file's Q4_1 / Q8_0
+    blocks, every other one as fp32 panels (4 bytes a weight); norms as the file has them."""
     forms = []
-    for parts in groups.values():
+    for parts in _fused_groups(s):
         types = {t["type"] for t in parts}
         blocks = len(types) == 1 and types <= set(block_types)
         for t in parts:
@@ -157,7 +170,7 @@ def decode_bytes(s: dict, block_types=None) -> dict:
     file_forms = _by_type((t["type"], t["bytes"]) for t in s["step_tensors"])
     int8_weights, int8_forms = int8_step_weights(s)
     return {
-        # in place over 1 GiB as fp32; below, few-row steps read the Q4_1 / Q8_0 blocks
+        # the file's blocks or block panels, or fp32 panels (fp32_step_weights)
         "freetoken-fp32": {"weights": fp32_weights, "kv_per_token": 4 * kv_elems,
                            "weights_read_as": f"{_forms(fp32_forms)}, fp32 KV"},
         "freetoken-int8": {"weights": int8_weights, "kv_per_token": 4 * kv_elems,

@@ -81,7 +81,7 @@ def test_the_real_models_tensors_bit_for_bit(smollm2_path):
 
 
 @pytest.mark.parametrize("type_", TYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 37])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 37, 64])
 @pytest.mark.parametrize("n,k", [(17, 64), (200, 576), (1536, 576)])
 def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
     rows, w = random_blocks(type_, n, k, seed=3)
@@ -97,14 +97,36 @@ def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
 
 
 @pytest.mark.parametrize("type_", TYPES)
-def test_same_sums_as_the_fp32_panels(isa, type_):
-    rows, w = random_blocks(type_, 100, 576, seed=5)
+@pytest.mark.parametrize("n", [100, 1000])
+def test_same_sums_as_the_fp32_panels(isa, threads, type_, n):
+    rows, w = random_blocks(type_, n, 576, seed=5)
     blocks, plain = ops.pack_gguf_panels(rows, type_, 576), ops.pack_panels(w)
-    # every row count the GGUF panels serve (model/linear.py: FEW_ROWS), on every ISA: the
+    # every row count, on every ISA, both paths of the GGUF panels (in registers up to 48 rows,
+    # a block of panels decoded into fp32 past that; n = 1000: several blocks a thread): the
     # fp32 panels' bits, so a step's row count never changes a row's result (issue 23)
-    for m in range(1, 9):
+    for m in [*range(1, 18), 31, 48, 49, 64, 231]:
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        b = torch.randn(n, generator=torch.Generator().manual_seed(n))
         assert torch.equal(ops.panel_linear(x, blocks), ops.panel_linear(x, plain)), m
+        assert torch.equal(ops.panel_linear(x, blocks, b), ops.panel_linear(x, plain, b)), m
+
+
+@pytest.mark.parametrize("type_", TYPES)
+def test_packing_from_a_file_map_unmaps_its_pages(tmp_path, type_):
+    """release_rows: the rows are a view of a file's read-only map, unmapped as they are
+    consumed (the loader's way: the repacked copy is then the one copy resident). The panels
+    are those packed from a copy, and the map still reads right afterwards (the pages refault
+    from the page cache)."""
+    rows, _ = random_blocks(type_, 5000, 64, seed=9)  # ~200-340 KB: several release steps
+    path = tmp_path / "rows.bin"
+    rows.numpy().tofile(path)
+    view = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r",
+                                      shape=tuple(rows.shape)))
+    packed = ops.pack_gguf_panels(view, type_, 64, release_rows=True)
+    assert torch.equal(packed, ops.pack_gguf_panels(rows, type_, 64))
+    assert torch.equal(view, rows)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.pack_gguf_panels(view[::2], type_, 64, release_rows=True)
 
 
 def test_the_packed_form_survives_clone_and_save(tmp_path):
@@ -141,35 +163,43 @@ def test_bad_inputs_are_refused():
         ops.panel_linear(torch.randn(2, 64), packed[:-384])
 
 
-def test_the_model_keeps_the_blocks_and_its_logits(smollm2_path, smollm2_fp32, ops_config):
-    """SmolLM2 fp32 takes its Q4_1 / Q8_0 blocks for steps of <= FEW_ROWS rows; with
-    ops.configure(linear="panels") it does not. A decode step of 1..8 sequences gives the same
-    logits (bit for bit on AVX-512, where the two kernels sum in the same order)."""
+def test_smollm2_is_block_panels_with_the_fp32_panels_logits(smollm2_path, smollm2_fp32,
+                                                              ops_config):
+    """SmolLM2 fp32 (auto): every projection and the tied lm_head are its Q4_1 / Q8_0 blocks as
+    panels (no fp32 copy; the embedding reads the file's rows); with
+    ops.configure(linear="panels") every weight is dequantized into fp32 panels. Decode steps of
+    1..8 sequences and prefill steps of 20-300 rows give the same logits bit for bit: both
+    forms sum in one order (the block panels dequantize exactly)."""
     from freetoken.engine.generate import build_forward_batch
     from freetoken.loader import load_model
-    from freetoken.model.linear import FEW_ROWS, few_rows_form
+    from freetoken.model.linear import FEW_ROWS, packed_form
+    from freetoken.model.llama import GGUFEmbedding
 
-    with_blocks = smollm2_fp32.model
-    assert few_rows_form(with_blocks.layers[3].self_attn.qkv_proj.few_rows) == "Q4_1"
-    assert few_rows_form(with_blocks.layers[3].mlp.down_proj.few_rows) == "Q4_1"
-    assert few_rows_form(with_blocks.lm_head_few_rows) == "Q8_0"
+    blocks = smollm2_fp32.model
+    assert ops.gguf_panel_type(blocks.layers[3].self_attn.qkv_proj.weight) == "Q4_1"
+    assert ops.gguf_panel_type(blocks.layers[3].mlp.down_proj.weight) == "Q4_1"
+    assert ops.gguf_panel_type(blocks.lm_head_packed) == "Q8_0"
+    assert blocks.layers[3].mlp.down_proj.few_rows is None and blocks.lm_head_few_rows is None
+    assert isinstance(blocks.embed_tokens, GGUFEmbedding)
+    assert all(p.numel() < 1 << 20 for p in blocks.parameters()
+               if p.dtype == torch.float32)  # norms only
     ops_config(linear="panels")
     plain = load_model(smollm2_path, load_tokenizer=False, progress=False).model
-    assert plain.layers[3].self_attn.qkv_proj.few_rows is None and plain.lm_head_few_rows is None
-    prompt = list(range(100, 140))
+    assert packed_form(plain.layers[3].mlp.down_proj.weight) == "panels"
+    prompt = list(range(100, 400))
     for n in (1, 3, FEW_ROWS):
         out = []
-        for m in (with_blocks, plain):
+        for m in (blocks, plain):
             kv = m.make_kv_cache(64, 16)
-            m.forward(build_forward_batch([(prompt[:20 + s], 0, [4 * s, 4 * s + 1])
-                                           for s in range(n)], 16), kv)
-            step = build_forward_batch([([prompt[20 + s]], 20 + s, [4 * s, 4 * s + 1])
+            prefill = build_forward_batch([(prompt[:20 + 5 * s], 0, list(range(4 * s, 4 * s + 4)))
+                                           for s in range(n)], 16, all_logits=True)
+            logits = m.compute_logits(m.forward(prefill, kv))
+            step = build_forward_batch([([prompt[20 + 5 * s]], 20 + 5 * s,
+                                         list(range(4 * s, 4 * s + 4)))
                                         for s in range(n)], 16)
-            out.append(m.compute_logits(m.forward(step, kv)))
-        if ops.cpu_isa() == "avx512":
-            assert torch.equal(out[0], out[1]), n
-        else:
-            torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=0)
+            out.append((logits, m.compute_logits(m.forward(step, kv))))
+        assert torch.equal(out[0][0], out[1][0]), n  # 20, 75 and 300 rows
+        assert torch.equal(out[0][1], out[1][1]), n
 
 
 def test_the_kernel_ab_script_compares_two_trees():

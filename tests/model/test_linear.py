@@ -4,6 +4,7 @@ model runs the same in every form. The panel kernel itself: tests/test_panel_lin
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,8 +124,11 @@ def test_model_logits_same_in_every_form(tiny_checkpoint, ops_config):
 
 
 @needs_panels
-def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
-    m = smollm2_fp32.model
+def test_tied_lm_head_gets_a_panel_copy(smollm2_path, ops_config):
+    from freetoken.loader import load_model
+
+    ops_config(linear="panels")  # every weight dequantized to fp32
+    m = load_model(smollm2_path, load_tokenizer=False, progress=False).model
     assert packed_form(m.layers[0].mlp.down_proj.weight) == "panels"
     assert m.lm_head is None and packed_form(m.lm_head_packed) == "panels"
     assert m.logits_width == 49152
@@ -135,9 +139,10 @@ def test_tied_lm_head_gets_a_panel_copy(smollm2_fp32):
 
 @needs_panels
 def test_smollm2_weights_stay_in_the_files_blocks(smollm2_path, smollm2_fp32, ops_config):
-    """linear "gguf" (what "auto" does for models over 1 GiB as fp32): every projection, the
-    tied lm_head and the embedding read the file's memory map in place; the logits are those of
-    the dequantized weights, and the embedding's rows are exactly theirs."""
+    """linear "gguf" (what "auto" does for models over 1 GiB as fp32 of other types than Q4_1 /
+    Q8_0): every projection, the tied lm_head and the embedding read the file's memory map in
+    place; the logits are those of the dequantized weights (and of the default's block panels),
+    and the embedding's rows are exactly theirs."""
     from freetoken.loader import load_model
     from freetoken.model.llama import GGUFEmbedding
 
@@ -151,7 +156,9 @@ def test_smollm2_weights_stay_in_the_files_blocks(smollm2_path, smollm2_fp32, op
         ops.gguf_row_bytes(matrix.types[0], matrix.in_features))], matrix.types[0], 576)
     ids = torch.tensor([0, 5, 49151, 5])
     assert torch.equal(m.embed_tokens(ids), weight[ids])
-    assert torch.equal(weight, smollm2_fp32.model.embed_tokens.weight)
+    gguf = pytest.importorskip("gguf")
+    assert torch.equal(weight, torch.from_numpy(gguf.quants.dequantize(
+        np.asarray(matrix.row_table()), gguf.GGMLQuantizationType.Q8_0)))
     h = torch.randn(3, m.config.hidden_size)
     torch.testing.assert_close(m.compute_logits(h), F.linear(h, weight), atol=1e-4, rtol=1e-5)
     seqs = [(list(range(3, 40)), 0, [0, 1, 2]), ([5, 6, 7], 0, [3])]
