@@ -19,7 +19,7 @@ import torch
 from freetoken import ops
 from freetoken.loader.memory import check_fits
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
-from freetoken.model.linear import gguf_blocks_wanted, gguf_in_place
+from freetoken.model.linear import block_panels_wanted, gguf_blocks_wanted, gguf_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,12 @@ def load_model(
         config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
         blocks = None
-        if gguf_in_place(dtype, device, fp32_bytes(reader), matrix_types(reader)):
+        types = matrix_types(reader)
+        if gguf_in_place(dtype, device, fp32_bytes(reader), types):  # stay in the file's blocks
             weights, matrices = read_in_place(reader, config, progress=progress)
+            if block_panels_wanted(fp32_bytes(reader), types):
+                for matrix in matrices.values():
+                    matrix.block_panels = True
         else:
             weights, matrices = read_weights(reader, config, progress=progress), None
             # fp32 on the CPU keeps the Q4_1 / Q8_0 blocks too, for steps of few rows (exact).

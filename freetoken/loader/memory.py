@@ -46,11 +46,12 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> We
     if path.is_file():
         tensors = (reader or GGUFFile(path)).tensors
         params, matrices, tied, lm_head, file_bytes, blocks = _gguf_counts(tensors)
-        if gguf_in_place(dtype, device, 4 * params,
-                         {t.tensor_type.name for t in tensors if len(t.shape) == 2}):
+        types = {t.tensor_type.name for t in tensors if len(t.shape) == 2}
+        if gguf_in_place(dtype, device, 4 * params, types):
             detail = (f"{params / 1e9:.2f}B parameters in the file's blocks, "
                       f"{file_bytes / GiB:.1f} GiB memory-mapped")
-            extra = _block_panel_extra(tensors, tied) if block_panels_wanted() else 0
+            extra = _block_panel_extra(tensors, tied) \
+                if block_panels_wanted(4 * params, types) else 0
             if extra:
                 detail += f", {extra / GiB:.2f} GiB more as Q4_1 / Q8_0 block panels"
             return WeightBytes(file_bytes + extra, detail)

@@ -12,19 +12,21 @@ All are fp32-accumulating GEMMs; they differ in summation order only (~1e-4 on a
 panels' order, and the in-place kernel's, never depends on the row count: a row's result is the
 same whatever steps beside it (batch invariance: docs/api.md, Determinism).
 
-A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32, or whose matrices are all
-Q4_1 / Q8_0 (fp32 on the CPU with freetoken._C, linear "auto"; "gguf" whatever the file), is
+A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32, or under it whose
+matrices are all Q4_1 / Q8_0 (fp32 on the CPU with freetoken._C, linear "auto"; "gguf" whatever
+the file), is
 never dequantized whole (gguf_in_place): its weights stay in the file's blocks where its
 read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py), every step size
 computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
 summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB
 instead of ~5.5, SmolLM2 (Q4_1) in under 400 MiB instead of ~1.05 GiB. GGUFMatrix.pack gives each
 matrix its form:
-  * Q4_1 / Q8_0 under "auto": the blocks regrouped into panels (ops.pack_gguf_panels,
-    csrc/linear/quant_linear_cpu.cpp; a repacked copy at 1.2x / 1.06x the file's bytes, whose
-    pages of the file are then unmapped). Short steps dequantize them in registers, long ones
-    decode a block of panels at a time into fp32 for the fp32 panels' micro-kernels: the fp32
-    panels' bits and, measured on SmolLM2, their speed (0.57-1.03x their time by row count);
+  * Q4_1 / Q8_0 of such a small file under "auto" (block_panels_wanted): the blocks regrouped
+    into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a repacked copy at
+    1.2x / 1.06x the file's bytes, whose pages of the file are then unmapped). Short steps
+    dequantize them in registers, long ones decode a block of panels at a time into fp32 for
+    the fp32 panels' micro-kernels: the fp32 panels' bits and, measured on SmolLM2, at most
+    their time (0.40-1.01x by row count);
   * the other types, and every type under "gguf": the descriptor of the blocks in place
     (ops.gguf_matrix, csrc/linear/gguf_linear.cpp);
   * in the int8 compute mode (ops.configure(compute="int8")): int8 matrices (ops.int8_matrix, a
@@ -103,6 +105,7 @@ class GGUFMatrix:
     offsets: torch.Tensor  # int64 [out]
     in_features: int
     mapping: torch.Tensor
+    block_panels: bool = False  # repack as block panels (the loader: block_panels_wanted)
 
     @property
     def out_features(self) -> int:
@@ -121,7 +124,8 @@ class GGUFMatrix:
             ends += [start + e for e in p.ends]
             start += p.out_features
         offsets = torch.cat([p.offsets for p in parts]) if len(parts) > 1 else parts[0].offsets
-        return GGUFMatrix(types, ends, offsets, parts[0].in_features, parts[0].mapping)
+        return GGUFMatrix(types, ends, offsets, parts[0].in_features, parts[0].mapping,
+                          all(p.block_panels for p in parts))
 
     def int8_ready(self) -> bool:
         """True when the int8 compute mode is on and has a kernel for every type here."""
@@ -129,12 +133,14 @@ class GGUFMatrix:
                                                       for t in self.types)
 
     def block_panels_ready(self) -> bool:
-        """True when this weight becomes GGUF-block panels (block_panels_wanted, one type of
-        GGUF_BLOCK_TYPES): Q4_1 / Q8_0 blocks regrouped per 16 outputs, which every step size
-        computes with fastest (few rows dequantize in registers, many rows decode a block of
-        panels at a time for the fp32 micro-kernels) in the fp32 panels' summation order."""
-        return block_panels_wanted() and len(set(self.types)) == 1 \
-            and self.types[0] in GGUF_BLOCK_TYPES and self.in_features % 32 == 0
+        """True when this weight becomes GGUF-block panels (`block_panels`, one type of
+        GGUF_BLOCK_TYPES, the exact mode): Q4_1 / Q8_0 blocks regrouped per 16 outputs, which
+        every step size computes with (few rows dequantize in registers, many rows decode a
+        block of panels at a time for the fp32 micro-kernels) in the fp32 panels' summation
+        order."""
+        return self.block_panels and ops.config().compute == "exact" \
+            and len(set(self.types)) == 1 and self.types[0] in GGUF_BLOCK_TYPES \
+            and self.in_features % 32 == 0
 
     def pack(self) -> torch.Tensor:
         """What panel_linear computes with: the int8 matrix (ops.int8_matrix) where
@@ -189,12 +195,6 @@ class GGUFMatrix:
             self.out_features, row_bytes)
 
 
-def block_panels_wanted() -> bool:
-    """True when a GGUF's Q4_1 / Q8_0 matrices served in place become block panels (linear
-    "auto", the exact compute mode)."""
-    return ops.config().linear == "auto" and ops.config().compute == "exact"
-
-
 def block_panel_bytes(type: str, out_features: int, in_features: int) -> int:  # noqa: A002
     """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0):
     a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and 16 fp32 mins)
@@ -212,15 +212,26 @@ def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: in
                   matrix_types: set[str] | frozenset[str] = frozenset()) -> bool:
     """True when a GGUF's weights (`fp32_bytes` as fp32; its 2-D weights of `matrix_types`) of
     `dtype` on `device` are never dequantized whole here: fp32 on the CPU extension, linear
-    "gguf", or "auto" above IN_PLACE_MIN_BYTES or where every matrix is Q4_1 / Q8_0 (they become
-    block panels: GGUFMatrix.pack); the loader dequantizes them otherwise."""
+    "gguf", or "auto" above IN_PLACE_MIN_BYTES or where block_panels_wanted; the loader
+    dequantizes them otherwise."""
     mode = ops.config().linear
     int8 = ops.config().compute == "int8"  # the int8 kernels read the blocks' codes
-    block_panels = bool(matrix_types) and set(matrix_types) <= set(GGUF_BLOCK_TYPES)
-    return (mode == "gguf" or int8
-            or (mode == "auto" and (fp32_bytes > IN_PLACE_MIN_BYTES or block_panels))) \
+    return (mode == "gguf" or int8 or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)
+            or block_panels_wanted(fp32_bytes, matrix_types)) \
         and dtype == torch.float32 and torch.device(device).type == "cpu" \
         and ops.panel_linear_available(torch.empty(0))
+
+
+def block_panels_wanted(fp32_bytes: int, matrix_types: set[str] | frozenset[str]) -> bool:
+    """True when a GGUF (`fp32_bytes` as fp32, 2-D weights of `matrix_types`) keeps its matrices
+    only as block panels (GGUFMatrix.pack): linear "auto", the exact mode, every matrix Q4_1 /
+    Q8_0, and at most IN_PLACE_MIN_BYTES as fp32 (SmolLM2). NOTE: not above it, where the
+    descriptors in place stay: on a 1B-shaped Q8_0 file's first 4 layers (scripts/
+    bench_gguf_linear.py) one row took 1.17x the in-place kernel's time as block panels, 8 rows
+    0.72x, 224 rows 0.84x; a one-stream regression is not traded for the rest unmeasured."""
+    return ops.config().linear == "auto" and ops.config().compute == "exact" \
+        and fp32_bytes <= IN_PLACE_MIN_BYTES and bool(matrix_types) \
+        and set(matrix_types) <= set(GGUF_BLOCK_TYPES)
 
 
 def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:

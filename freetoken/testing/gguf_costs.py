@@ -65,15 +65,16 @@ def _by_type(pairs) -> dict[str, int]:
 
 def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
     """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads (linear "auto").
-    A model over IN_PLACE_MIN_BYTES as fp32, or whose matrices are all Q4_1 / Q8_0, is never
-    dequantized (model/linear.py gguf_in_place): its Q4_1 / Q8_0 matrices (a fused group: of one
-    such type) as block panels, the rest as the file's blocks; a smaller one is dequantized at
-    load (_dequantized_step_weights). `block_types`: the types of the blocks kept (in place:
-    those the kernel takes; dequantized: Q4_1 / Q8_0)."""
+    A model over IN_PLACE_MIN_BYTES as fp32 computes on the file's blocks in place; one under it
+    whose matrices are all Q4_1 / Q8_0 on them as block panels (model/linear.py
+    block_panels_wanted); any other is dequantized at load (_dequantized_step_weights).
+    `block_types`: the types of the blocks kept (in place: those the kernel takes; dequantized:
+    Q4_1 / Q8_0)."""
     from freetoken.model.linear import GGUF_BLOCK_TYPES, IN_PLACE_MIN_BYTES, block_panel_bytes
 
     matrix_types = {t["type"] for t in s["step_tensors"] if t["dims"] >= 2}
-    if 4 * s["params"] <= IN_PLACE_MIN_BYTES and not matrix_types <= set(GGUF_BLOCK_TYPES):
+    small = 4 * s["params"] <= IN_PLACE_MIN_BYTES
+    if small and not matrix_types <= set(GGUF_BLOCK_TYPES):
         return _dequantized_step_weights(
             s, GGUF_BLOCK_TYPES if block_types is None else block_types)
     if block_types is None:
@@ -83,7 +84,7 @@ def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
     forms = []
     for parts in _fused_groups(s):
         types = {t["type"] for t in parts}
-        panels = len(types) == 1 and types <= set(GGUF_BLOCK_TYPES)
+        panels = small and len(types) == 1 and types <= set(GGUF_BLOCK_TYPES)
         for t in parts:
             if t["dims"] < 2:
                 forms.append((f"{t['type']} vectors", t["bytes"]))
