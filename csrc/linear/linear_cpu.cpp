@@ -231,11 +231,11 @@ FT_INLINE void run_decoded(const Args<float>& a, int64_t p0, int64_t p1) {
   store.resize(static_cast<size_t>(block * a.K * kNR + 16));
   float* buf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) &
                                         ~uintptr_t{63});
-  const int64_t group_bytes = panel::kGGUFGroup * panel::panel_bytes(a.gguf->format, a.K);
-  const auto group_start = [&](int64_t p) {  // the first byte of p's group (p <= P)
+  // The first byte of p's group of panels (every group before it is whole), or the end.
+  const auto group_start = [&](int64_t p) {
     return reinterpret_cast<const char*>(a.blocks) +
-           std::min(p, (a.gguf->P + panel::kGGUFGroup - 1) / panel::kGGUFGroup *
-                           panel::kGGUFGroup) / panel::kGGUFGroup * group_bytes;
+           std::min(a.gguf->P, p / panel::kGGUFGroup * panel::kGGUFGroup) *
+               panel::panel_bytes(a.gguf->format, a.K);
   };
   for (int64_t b0 = p0; b0 < p1; b0 += block) {
     const int64_t b1 = std::min(p1, b0 + block), next = std::min(p1, b1 + block);
