@@ -492,6 +492,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const Kernel<WT, XT> kern = pick_kernel<WT, XT>();
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   const float* xp = nullptr;
+  // GGUF-block panels: decoded a block at a time (run_decoded), x read in place
   const bool decoded = h.format == panel::kQ4_1 || h.format == panel::kQ8_0;
   if (!decoded && (M > 1 || !std::is_same_v<XT, float>)) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
@@ -505,7 +506,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
     xp = reinterpret_cast<const float*>(x.data_ptr<XT>());
   }
   Args<WT> a{xp, nullptr, b, y.data_ptr<float>(), M, h.N, h.K};
-  if (h.format == panel::kQ4_1 || h.format == panel::kQ8_0) {  // decoded a block at a time
+  if (decoded) {
     a.gguf = &h;
     a.blocks = packed.data_ptr<uint8_t>() + h.offset;
   } else {

@@ -253,33 +253,36 @@ FT_INLINE void decode(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_
   constexpr int kScales = kQ41 ? 2 : 1;
   const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
   // In the order the blocks lie (a group's blocks interleave, block_index): one forward stream.
-  for (int64_t g0 = p0 / kGroup * kGroup; g0 < p1; g0 += kGroup)
-    for (int64_t b = 0; b < nb; ++b)
+  for (int64_t g0 = p0 / kGroup * kGroup; g0 < p1; g0 += kGroup) {
+    for (int64_t b = 0; b < nb; ++b) {
       for (int64_t p = std::max(g0, p0); p < std::min({g0 + kGroup, p1, P}); ++p) {
-      float* o = out + (p - p0) * K * kNR;
-      const uint8_t* bj = w + block_index(p, b, nb, P) * kBlock;
-      const float* dp = reinterpret_cast<const float*>(bj);
-      const uint8_t* q = bj + kScales * kNR * 4;
-      vf d[V], mn[V];
+        float* o = out + (p - p0) * K * kNR;
+        const uint8_t* bj = w + block_index(p, b, nb, P) * kBlock;
+        const float* dp = reinterpret_cast<const float*>(bj);
+        const uint8_t* q = bj + kScales * kNR * 4;
+        vf d[V], mn[V];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) {
-        d[v] = loadu<L>(dp + v * L);
-        mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
-      }
+        for (int v = 0; v < V; ++v) {
+          d[v] = loadu<L>(dp + v * L);
+          mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+        }
 #pragma GCC unroll 8
-      for (int g = 0; g < 32 / kRows; ++g) {
-        vu words[V];
+        for (int g = 0; g < 32 / kRows; ++g) {
+          vu words[V];
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+          for (int v = 0; v < V; ++v)
+            std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
-        for (int t = 0; t < kRows; ++t)
+          for (int t = 0; t < kRows; ++t)
 #pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) {
-            const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
-            std::memcpy(o + (b * 32 + kRows * g + t) * kNR + v * L, &r, sizeof r);
-          }
+            for (int v = 0; v < V; ++v) {
+              const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
+              std::memcpy(o + (b * 32 + kRows * g + t) * kNR + v * L, &r, sizeof r);
+            }
+        }
       }
-      }
+    }
+  }
 }
 
 template <Format F>
@@ -335,7 +338,8 @@ struct Kernel {
 template <Format F>
 Kernel pick_kernel(int64_t M) {
   const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
-  if (isa == Isa::kAvx512) return M <= 8 ? Kernel{&run_avx512<F>, 8} : Kernel{&run_avx512_16<F>, 16};
+  if (isa == Isa::kAvx512)
+    return M <= 8 ? Kernel{&run_avx512<F>, 8} : Kernel{&run_avx512_16<F>, 16};
   if (isa == Isa::kAvx2) return {&run_avx2<F>, 3};
   return {&run_base<F>, 1};
 }

@@ -120,10 +120,10 @@ def load_model(
         config = read_config(reader)
         tokenizer = _load_tokenizer(reader, is_gguf) if load_tokenizer else None
         blocks = None
-        types = matrix_types(reader)
-        if gguf_in_place(dtype, device, fp32_bytes(reader), types):  # stay in the file's blocks
+        nbytes, types = fp32_bytes(reader), matrix_types(reader)
+        if gguf_in_place(dtype, device, nbytes, types):  # stay in the file's blocks
             weights, matrices = read_in_place(reader, config, progress=progress)
-            if block_panels_wanted(fp32_bytes(reader), types):
+            if block_panels_wanted(nbytes, types):
                 for matrix in matrices.values():
                     matrix.block_panels = True
         else:

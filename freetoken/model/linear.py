@@ -133,14 +133,13 @@ class GGUFMatrix:
                                                       for t in self.types)
 
     def block_panels_ready(self) -> bool:
-        """True when this weight becomes GGUF-block panels (`block_panels`, one type of
-        GGUF_BLOCK_TYPES, the exact mode): Q4_1 / Q8_0 blocks regrouped per 16 outputs, which
-        every step size computes with (few rows dequantize in registers, many rows decode a
-        block of panels at a time for the fp32 micro-kernels) in the fp32 panels' summation
-        order."""
-        return self.block_panels and ops.config().compute == "exact" \
-            and len(set(self.types)) == 1 and self.types[0] in GGUF_BLOCK_TYPES \
-            and self.in_features % 32 == 0
+        """True when this weight becomes GGUF-block panels (`block_panels`, set by the loader
+        where block_panels_wanted; one type of GGUF_BLOCK_TYPES): Q4_1 / Q8_0 blocks regrouped
+        per 16 outputs, which every step size computes with (few rows dequantize in registers,
+        many rows decode a block of panels at a time for the fp32 micro-kernels) in the fp32
+        panels' summation order."""
+        return self.block_panels and len(set(self.types)) == 1 \
+            and self.types[0] in GGUF_BLOCK_TYPES and self.in_features % 32 == 0
 
     def pack(self) -> torch.Tensor:
         """What panel_linear computes with: the int8 matrix (ops.int8_matrix) where
