@@ -123,9 +123,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matrix_unpack", &freetoken::int8_matrix_unpack,
         "an int8 matrix -> (codes u [N, K] uint8, a [N, K/16], b [N, K/16] fp32, c [N] int32): "
         "each weight is a * (u - c) + b", py::arg("weight"));
+  m.def("int8_matrix_superblocks", &freetoken::int8_matrix_superblocks,
+        "an int8 matrix -> a K-quant's own numbers (d, dmin [N, K/256] fp32; sc, mn [N, K/16] "
+        "int32; zeros outside K-quant panels): a = d * sc, b = -(dmin * mn)", py::arg("weight"));
   m.def("int8_quantize_rows", &freetoken::int8_quantize_rows,
-        "x [M, K] fp32 -> (int8 codes [M, K], scales [M, K/32]): the int8 mode's activations",
-        py::arg("x"));
+        "x [M, K] fp32 -> (int8 codes [M, K], scales [M, K/32]): the int8 mode's activations, "
+        "per block of 32 or 256", py::arg("x"), py::arg("block") = 32);
   m.def("int8_vnni_available", &freetoken::int8_vnni_available,
         "True when this CPU runs the int8 VNNI kernel");
   m.def("int8_peak_gops", &freetoken::int8_peak_gops,

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""A/B of the GGUF-block panel linear (ops.pack_gguf_panels + ops.panel_linear) across source
-trees: one worker process per tree holds the same random matrices, and the workers take turns in
-short bursts of calls, round-robin, so the drift of this shared machine hits all alike. Prints
-each case's medians, as times and as ratios to the first tree, then one JSON line.
+"""A/B of the GGUF-block panel linear (ops.pack_gguf_panels + ops.panel_linear), or of the int8
+mode's matrix (ops.int8_matrix, --form int8), across source trees: one worker process per tree
+holds the same random matrices, and the workers take turns in short bursts of calls,
+round-robin, so the drift of this shared machine hits all alike. Prints each case's medians, as
+times and as ratios to the first tree, then one JSON line.
 
     python3 scripts/ab_kernel.py A=/tmp/old-checkout B=.        # SmolLM2's lm_head at one row
     python3 scripts/ab_kernel.py A=/tmp/old B=. --type Q4_1 --n 1536 --k 576 --rows 8 --copies 80
+    python3 scripts/ab_kernel.py A=/tmp/old B=. --form int8 --type Q4_K --n 8192 --k 2048 \
+        --rows 224 --copies 1 --cases 2:hot          # the int8 mode's matrix
 
 A tree is LABEL=PATH, a checkout whose freetoken/ has its extension built (setup.py build_ext
---inplace). "cold" rotates the calls over --copies copies of the matrix, so with enough copies
-(past the L3) the blocks come from DRAM as in a decode step; "hot" calls one copy. Why this and not
-two separate runs: on this machine one tree's kernel time moves by 1.5x from minute to minute, and
-separate runs compare the moments, not the kernels.
+--inplace); its worker runs in it (cwd and PYTHONPATH). "cold" rotates the calls over --copies
+copies of the matrix, so with enough copies (past the L3) the blocks come from DRAM as in a
+decode step; "hot" calls one copy. Why this and not two separate runs: on this machine one
+tree's kernel time moves by 1.5x from minute to minute, and separate runs compare the moments,
+not the kernels.
 """
 
 from __future__ import annotations
@@ -28,17 +32,24 @@ WORKER = r"""
 import json, os, sys, time
 import torch
 from freetoken import ops
-typ = sys.argv[1]
+typ, form = sys.argv[1], sys.argv[6]
 n, k, rows, copies = (int(a) for a in sys.argv[2:6])
-src = {"Q4_1": 20, "Q8_0": 34}[typ]
+# values and bytes a block, and where its fp16 scales lie (each set to 2^-7)
+values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
+                       "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
+                       "Q6_K": (256, 210, (208,))}[typ]
 g = torch.Generator().manual_seed(0)
 mats = []
 for _ in range(copies):
-    raw = torch.randint(0, 256, (n, k // 32 * src), dtype=torch.uint8, generator=g)
-    blocks = raw.view(n, k // 32, src)
-    head = 2 if typ == "Q8_0" else 4  # the fp16 d (and Q4_1's m) open each block
-    blocks[:, :, 0:head:2], blocks[:, :, 1:head:2] = 0, 0x20  # each 2^-7
-    mats.append(ops.pack_gguf_panels(raw, typ, k))
+    raw = torch.randint(0, 256, (n, k // values * src), dtype=torch.uint8, generator=g)
+    blocks = raw.view(n, k // values, src)
+    for h in halves:
+        blocks[:, :, h], blocks[:, :, h + 1] = 0, 0x20
+    if form == "int8":
+        offsets = torch.arange(n, dtype=torch.int64) * raw.shape[1]
+        mats.append(ops.int8_matrix(raw.view(-1), offsets, [typ], [n], k))
+    else:
+        mats.append(ops.pack_gguf_panels(raw, typ, k))
 x = torch.randn(rows, k, generator=g)
 print(json.dumps(ops.panel_linear(x, mats[0])[0, :2].tolist()), flush=True)
 for line in sys.stdin:
@@ -59,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
     ap.add_argument("trees", nargs="+", help="LABEL=PATH, the first is the baseline")
-    ap.add_argument("--type", default="Q8_0", choices=["Q4_1", "Q8_0"])
+    ap.add_argument("--type", default="Q8_0", choices=["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+    ap.add_argument("--form", default="panels", choices=["panels", "int8"],
+                    help="GGUF-block panels (Q4_1 / Q8_0) or the int8 mode's matrix")
     ap.add_argument("--n", type=int, default=49152, help="output features")
     ap.add_argument("--k", type=int, default=576, help="input features (a multiple of 32)")
     ap.add_argument("--rows", type=int, default=1)
@@ -73,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     workers = {
         label: subprocess.Popen(
             [sys.executable, "-c", WORKER, args.type, str(args.n), str(args.k), str(args.rows),
-             str(args.copies)],
+             str(args.copies), args.form],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_WAIT_POLICY="PASSIVE"))
+            # cwd too: `python -c` puts the working directory first on sys.path
+            env=dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_WAIT_POLICY="PASSIVE"),
+            cwd=os.path.abspath(path))
         for label, path in trees.items()}
     for label, w in workers.items():
         print(f"{label}: y[0, :2] = {w.stdout.readline().strip()}", file=sys.stderr, flush=True)
@@ -100,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in workers.values():
         w.stdin.close()
         w.wait()
-    print(json.dumps({"type": args.type, "n": args.n, "k": args.k, "rows": args.rows,
-                      "copies": args.copies, "cases": report, "loadavg": os.getloadavg()}))
+    print(json.dumps({"type": args.type, "form": args.form, "n": args.n, "k": args.k,
+                      "rows": args.rows, "copies": args.copies, "cases": report,
+                      "loadavg": os.getloadavg()}))
     return 0
 
 

@@ -31,31 +31,63 @@ FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo&
 
 // --- the portable kernel (the reference order; the baseline x86-64 variant) ------------------
 
+// One K-quant unit of output o, row m: the superblock's fp32 step onto acc.
+FT_INLINE float superblock_portable(const uint8_t* unit, int kind, int o, int32_t c,
+                                   const Acts& x, int64_t m, int64_t u, float acc) {
+  const KindInfo& ki = kKinds[kind];
+  const bool k4 = ki.scales == kK4;
+  const int G = ki.group, per = 256 / G;
+  const int8_t* xq = x.q + m * x.K + u * 256;
+  int32_t I = 0, S = 0;
+  for (int j = 0; j < per; ++j) {
+    const GroupRef gr{kind, unit, j};
+    int32_t P = 0;
+    for (int k = 0; k < G; ++k) P += gr.code(o, k) * xq[j * G + k];
+    const int sc = k4 ? unit[64 + 16 * j + o] : static_cast<int8_t>(unit[32 + 16 * j + o]);
+    I += sc * P;
+    if (k4) {
+      S += unit[192 + 16 * j + o] * x.h32[m * (x.K / 32) + u * 8 + j];
+    } else {
+      S += sc * x.h16[m * (x.K / 16) + u * 16 + j];
+    }
+  }
+  if (!k4) I -= c * S;
+  const float dx = x.d[m * (x.K / kXBlock) + u * 8];
+  const float t = no_contract(gb::half_to_float(unit + 2 * o) * dx);
+  acc = acc + no_contract(static_cast<float>(I) * t);
+  if (k4) {
+    const float t2 = no_contract(-gb::half_to_float(unit + 32 + 2 * o) * dx);
+    acc = acc + no_contract(static_cast<float>(S) * t2);
+  }
+  return acc;
+}
+
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias) {
   const KindInfo& ki = kKinds[pi.kind];
-  const int G = ki.group, per_unit = ki.unit / G;
   const int64_t units = x.K / ki.unit, ld16 = x.K / 16, ld32 = x.K / kXBlock;
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     const int8_t* xq = x.q + m * x.K;
     for (int64_t u = 0; u < units; ++u) {
-      for (int j = 0; j < per_unit; ++j) {
-        const GroupRef gr{pi.kind, data + u * unit_bytes(pi.kind), j};
-        const int64_t k0 = u * ki.unit + j * G;
-        int32_t S = 0;
-        for (int i = 0; i < G / 16; ++i) S += x.s16[m * ld16 + k0 / 16 + i];
-        const float d = x.d[m * ld32 + k0 / kXBlock];
-        for (int o = 0; o < kPanel; ++o) {
-          int32_t P = -pi.c * S;
-          for (int k = 0; k < G; ++k) P += gr.code(o, k) * xq[k0 + k];
-          float a, b;
-          gr.scales(o, &a, &b);
-          const float t = no_contract(a * d);
-          acc[o] = acc[o] + no_contract(static_cast<float>(P) * t);
-          if (has_min(pi.kind))
-            acc[o] = acc[o] + no_contract(b * x.xs32[m * ld32 + k0 / kXBlock]);
-        }
+      const uint8_t* unit = data + u * unit_bytes(pi.kind);
+      if (ki.unit == 256) {
+        for (int o = 0; o < kPanel; ++o)
+          acc[o] = superblock_portable(unit, pi.kind, o, pi.c, x, m, u, acc[o]);
+        continue;
+      }
+      const GroupRef gr{pi.kind, unit, 0};
+      const int64_t k0 = u * 32;
+      const int32_t S = x.s16[m * ld16 + k0 / 16] + x.s16[m * ld16 + k0 / 16 + 1];
+      const float d = x.d[m * ld32 + k0 / kXBlock];
+      for (int o = 0; o < kPanel; ++o) {
+        int32_t P = -pi.c * S;
+        for (int k = 0; k < 32; ++k) P += gr.code(o, k) * xq[k0 + k];
+        float a, b;
+        gr.scales(o, &a, &b);
+        const float t = no_contract(a * d);
+        acc[o] = acc[o] + no_contract(static_cast<float>(P) * t);
+        if (has_min(pi.kind)) acc[o] = acc[o] + no_contract(b * x.xs32[m * ld32 + k0 / kXBlock]);
       }
     }
     store_rows(acc, 1, m, pi, y, N, bias);
@@ -107,27 +139,34 @@ FT_TARGET_VNNI FT_INLINE int32_t hsum(__m512i v) {
 
 // quantize_block's arithmetic, 16 lanes at a time (cvtps2dq rounds to nearest even, as
 // nearbyint does); a block with a NaN or an infinity takes quantize_block itself.
-FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16,
-                                         float* xs, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const float* xb = x + i * kXBlock;
-    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    if (_mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99)) {
-      quantize_block(xb, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int B, const ActsOut& o, int64_t b0,
+                                         int64_t b1) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const float* xb = x + blk * B;
+    __m512 amaxv = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int v = 0; v < B; v += 16) {
+      const __m512 a = _mm512_loadu_ps(xb + v);
+      bad |= _mm512_fpclass_ps_mask(a, 0x99);
+      amaxv = _mm512_maskz_max_ps(0xFFFF, amaxv, _mm512_abs_ps(a));
+    }
+    if (bad) {
+      quantize_block(x, B, o, blk);
       continue;
     }
-    const float amax = hmax(_mm512_maskz_max_ps(0xFFFF, _mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float amax = hmax(amaxv);
     const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qa = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(a, id));
-    const __m512i qb = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(b, id));
-    auto* qi = reinterpret_cast<__m128i*>(q + i * kXBlock);
-    _mm_storeu_si128(qi, _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
-    _mm_storeu_si128(qi + 1, _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
-    const int32_t sa = hsum(qa), sb = hsum(qb);
-    d[i] = amax / 127.f;
-    s16[2 * i] = sa;
-    s16[2 * i + 1] = sb;
-    xs[i] = d[i] * static_cast<float>(sa + sb);
+    for (int64_t i = blk * (B / kXBlock); i < (blk + 1) * (B / kXBlock); ++i) {
+      const float* xi = x + i * kXBlock;
+      const __m512i qa = _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(_mm512_loadu_ps(xi), id));
+      const __m512i qb =
+          _mm512_maskz_cvtps_epi32(0xFFFF, _mm512_mul_ps(_mm512_loadu_ps(xi + 16), id));
+      auto* qi = reinterpret_cast<__m128i*>(o.q + i * kXBlock);
+      _mm_storeu_si128(qi, _mm512_maskz_cvtepi32_epi8(0xFFFF, qa));
+      _mm_storeu_si128(qi + 1, _mm512_maskz_cvtepi32_epi8(0xFFFF, qb));
+      o.d[i] = amax / 127.f;
+      store_sums(o, i, hsum(qa), hsum(qb));
+    }
   }
 }
 
@@ -135,104 +174,186 @@ FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int8_t* q, float* d, in
 // read are asked for (1B Q4_K ffn_gate at 8 rows, one thread: 5.8-6.2 -> 4.1-4.4 ms).
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Rows [m0, m0 + MR) against one panel over all of K.
+// P[m] += one group's codes . rows m0 + m of x at k0 (16 output lanes, exact int32).
+template <int MR, int KIND>
+FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, int64_t m0,
+                                         int64_t k0, __m512i (&P)[MR]) {
+  constexpr KindInfo ki = kKinds[KIND];
+  const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  if constexpr (ki.codes == kNib) {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * t);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = x.q + (m0 + m) * x.K + k0;
+        P[m] = dot4(P[m], lo, xq + 4 * t);
+        P[m] = dot4(P[m], hi, xq + 16 + 4 * t);
+      }
+    }
+  } else if constexpr (ki.codes == kByte) {
+#pragma GCC unroll 16
+    for (int s = 0; s < ki.group / 4; ++s) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * s);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x.q + (m0 + m) * x.K + k0 + 4 * s);
+    }
+  } else {  // 6-bit: the 4-bit plane (steps t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1)
+    const __m512i plane = _mm512_loadu_si512(codes + 128);
+    __m512i v[4];
+    for (int t = 0; t < 2; ++t) {
+      const __m512i n = _mm512_loadu_si512(codes + 64 * t);
+      v[t] = _mm512_and_si512(n, low4);
+      v[t + 2] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
+    }
+    v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), hi2));
+    v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), hi2));
+    v[2] = _mm512_or_si512(v[2], _mm512_and_si512(plane, hi2));
+    v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), hi2));
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v[s], x.q + (m0 + m) * x.K + k0 + 4 * s);
+    }
+  }
+}
+
+FT_TARGET_VNNI FT_INLINE void prefetch_to(const uint8_t*& prefetched, const uint8_t* end) {
+  for (; prefetched < end + kPrefetchBytes; prefetched += 64) __builtin_prefetch(prefetched, 0, 3);
+}
+
+// Rows [m0, m0 + MR) against one panel of a 32-value format (its own scales a group) over K.
 template <int MR, int KIND>
 FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
-  constexpr int G = ki.group, PER = ki.unit / G;
+  static_assert(ki.unit == 32 && ki.group == 32, "the K-quants take panel_rows_vnni_k");
   const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  const uint8_t* prefetched = data + kPrefetchBytes;
+  const uint8_t* prefetched = data;
   for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* unit = data + u * unit_bytes(KIND);
-    __m512 dv = _mm512_setzero_ps(), dminv = _mm512_setzero_ps();
-    if constexpr (ki.scales == kK4 || ki.scales == kK6) dv = halfs16(unit);
-    if constexpr (ki.scales == kK4) dminv = halfs16(unit + 32);
-#pragma GCC unroll 1
-    for (int j = 0; j < PER; ++j) {
-      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
-      for (; prefetched < codes + group_bytes(KIND) + kPrefetchBytes; prefetched += 64)
-        __builtin_prefetch(prefetched, 0, 3);
-      const int64_t k0 = u * ki.unit + j * G;
-      __m512 a, b = _mm512_setzero_ps();
-      if constexpr (ki.scales == kHalf || ki.scales == kHalfMin) {
-        a = halfs16(codes + code_bytes(KIND));
-        if constexpr (ki.scales == kHalfMin) b = halfs16(codes + code_bytes(KIND) + 32);
-      } else if constexpr (ki.scales == kK4) {
-        a = _mm512_mul_ps(dv, bytes16(unit + 64 + 16 * j, false));
-        b = _mm512_xor_ps(_mm512_mul_ps(dminv, bytes16(unit + 64 + 128 + 16 * j, false)), sign);
+    const uint8_t* codes = data + u * unit_bytes(KIND);
+    prefetch_to(prefetched, codes + group_bytes(KIND));
+    const int64_t k0 = u * 32;
+    const __m512 a = halfs16(codes + code_bytes(KIND));
+    __m512 b = _mm512_setzero_ps();
+    if constexpr (ki.scales == kHalfMin) b = halfs16(codes + code_bytes(KIND) + 32);
+    __m512i P[MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      if constexpr (has_min(KIND)) {
+        P[m] = _mm512_setzero_si512();
       } else {
-        a = _mm512_mul_ps(dv, bytes16(unit + 32 + 16 * j, true));
+        const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
+        P[m] = _mm512_set1_epi32(-c * (s[0] + s[1]));
       }
-      __m512i P[MR];
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        if constexpr (has_min(KIND)) {
-          P[m] = _mm512_setzero_si512();
-        } else {
-          const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
-          const int32_t S = G == 32 ? s[0] + s[1] : s[0];
-          P[m] = _mm512_set1_epi32(-c * S);
-        }
-      }
-      if constexpr (ki.codes == kNib) {
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-          const __m512i lo = _mm512_and_si512(v, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-#pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) {
-            const int8_t* xq = x.q + (m0 + m) * x.K + k0;
-            P[m] = dot4(P[m], lo, xq + 4 * t);
-            P[m] = dot4(P[m], hi, xq + 16 + 4 * t);
-          }
-        }
-      } else if constexpr (ki.codes == kByte) {
-#pragma GCC unroll 8
-        for (int s = 0; s < G / 4; ++s) {
-          const __m512i v = _mm512_loadu_si512(codes + 64 * s);
-#pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x.q + (m0 + m) * x.K + k0 + 4 * s);
-        }
-      } else {  // 6-bit: the 4-bit plane (steps t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1)
-        const __m512i plane = _mm512_loadu_si512(codes + 128);
-        __m512i v[4];
-        for (int t = 0; t < 2; ++t) {
-          const __m512i n = _mm512_loadu_si512(codes + 64 * t);
-          v[t] = _mm512_and_si512(n, low4);
-          v[t + 2] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
-        }
-        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), hi2));
-        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), hi2));
-        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(plane, hi2));
-        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), hi2));
-#pragma GCC unroll 4
-        for (int s = 0; s < 4; ++s) {
-#pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v[s], x.q + (m0 + m) * x.K + k0 + 4 * s);
-        }
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
-        const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
-        acc[m] = _mm512_add_ps(
-            acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, P[m]), t)));
-        if constexpr (has_min(KIND))
-          acc[m] = _mm512_add_ps(acc[m],
-                                 no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
-      }
+    }
+    group_dots<MR, KIND>(codes, x, m0, k0, P);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
+      const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
+      acc[m] = _mm512_add_ps(
+          acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, P[m]), t)));
+      if constexpr (has_min(KIND))
+        acc[m] = _mm512_add_ps(acc[m],
+                               no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, acc[m]);
 }
 
+// Groups 2 p and 2 p + 1 of a unit's 8-bit numbers (16 outputs each, at g) as int16 pairs, lane
+// o = (g[2 p][o], g[2 p + 1][o]): vpdpwssd's operand.
+template <bool SIGNED>
+FT_TARGET_VNNI FT_INLINE __m512i group_pairs(const uint8_t* g, int p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32 * p));
+  const __m512i w = SIGNED ? _mm512_maskz_cvtepi8_epi16(0xFFFFFFFF, v)
+                           : _mm512_maskz_cvtepu8_epi16(0xFFFFFFFF, v);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                              9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                              17, 1, 16, 0);
+  return _mm512_maskz_permutexvar_epi16(0xFFFFFFFF, interleave, w);
+}
+
+// acc += pairs . (the two int16 at p, broadcast): one vpdpwssd.
+FT_TARGET_VNNI FT_INLINE __m512i dot2w(__m512i acc, __m512i pairs, const int16_t* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(pairs), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// Rows [m0, m0 + MR) against one K-quant panel (x quantized per 256): the superblock's arithmetic
+// of int8_linear.cpp's module comment, its sums in integer and one fp32 step a superblock.
+template <int MR, int KIND>
+FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, int64_t units,
+                                                const Acts& x, int64_t m0, float* acc_out) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int G = ki.group, PER = 256 / G;
+  constexpr bool k4 = ki.scales == kK4;
+  static_assert(ki.unit == 256, "a K-quant kind");
+  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  // The fp32 sums live in acc_out (L1), touched once a superblock: the registers go to the
+  // integer sums, so that MR rows make MR independent vpdpbusd chains.
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, _mm512_setzero_ps());
+  const uint8_t* prefetched = data;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = data + u * unit_bytes(KIND);
+    const uint8_t* sc = unit + (k4 ? 64 : 32);  // [PER][16]: sc (Q6_K: int8)
+    __m512i I[MR];
+    for (int m = 0; m < MR; ++m) I[m] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+      prefetch_to(prefetched, codes + group_bytes(KIND));
+      __m512i P[MR];
+      for (int m = 0; m < MR; ++m) P[m] = _mm512_setzero_si512();
+      group_dots<MR, KIND>(codes, x, m0, u * 256 + j * G, P);
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * j));
+      const __m512i scv = k4 ? _mm512_maskz_cvtepu8_epi32(0xFFFF, s8)
+                             : _mm512_maskz_cvtepi8_epi32(0xFFFF, s8);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) I[m] = _mm512_add_epi32(I[m], _mm512_mullo_epi32(P[m], scv));
+    }
+    // The second integer sum: Q4_K / Q5_K the mins times x's sums of 32; Q6_K its scales times
+    // x's sums of 16, for the offset c.
+    __m512i S[MR];
+    for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int p = 0; p < PER / 2; ++p) {
+      const __m512i pairs = group_pairs<!k4>(k4 ? unit + 192 : sc, p);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+        S[m] = dot2w(S[m], pairs, k4 ? x.h32 + (m0 + m) * ld32 + u * 8 + 2 * p
+                                     : x.h16 + (m0 + m) * ld16 + u * 16 + 2 * p);
+    }
+    const __m512 d = halfs16(unit);
+    const __m512 nmin = k4 ? _mm512_xor_ps(halfs16(unit + 32), _mm512_set1_ps(-0.f))
+                           : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
+      if constexpr (!k4) I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
+      const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
+      __m512 acc = _mm512_add_ps(
+          _mm512_loadu_ps(acc_out + m * kPanel),
+          no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, I[m]), t)));
+      if constexpr (k4) {
+        const __m512 t2 = no_contract512(_mm512_mul_ps(nmin, dx));
+        acc = _mm512_add_ps(
+            acc, no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, S[m]), t2)));
+      }
+      _mm512_storeu_ps(acc_out + m * kPanel, acc);
+    }
+  }
+}
+
 constexpr int kVnniRows = 8;  // rows a register tile: 8 int32 sums + 8 fp32 accumulators
+constexpr int kVnniRowsK = 12;  // the K-quants': 12 group sums + 12 superblock sums
 
 template <int KIND, int MR>
 FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t c, int64_t units,
@@ -240,17 +361,22 @@ FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t
   if constexpr (MR > 1) {
     if (mr < MR) return rows_dispatch<KIND, MR - 1>(mr, data, c, units, x, m0, acc);
   }
-  panel_rows_vnni<MR, KIND>(data, c, units, x, m0, acc);
+  if constexpr (kKinds[KIND].unit == 256) {
+    panel_rows_vnni_k<MR, KIND>(data, c, units, x, m0, acc);
+  } else {
+    panel_rows_vnni<MR, KIND>(data, c, units, x, m0, acc);
+  }
 }
 
 template <int KIND>
 FT_TARGET_VNNI void panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
-  alignas(64) float acc[kVnniRows * kPanel];
+  constexpr int R = kKinds[KIND].unit == 256 ? kVnniRowsK : kVnniRows;
+  alignas(64) float acc[R * kPanel];
   const int64_t units = x.K / kKinds[KIND].unit;
-  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
-    const int mr = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
-    rows_dispatch<KIND, kVnniRows>(mr, data, pi.c, units, x, m0, acc);
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int mr = static_cast<int>(std::min<int64_t>(R, M - m0));
+    rows_dispatch<KIND, R>(mr, data, pi.c, units, x, m0, acc);
     store_rows(acc, mr, m0, pi, y, N, bias);
   }
 }
@@ -304,12 +430,23 @@ FT_TARGET_AVX2 FT_INLINE void step_avx2(__m256i (&P)[MR][2], __m256i lo8, __m256
   }
 }
 
-// Rows [m0, m0 + MR) against one panel; acc_out [MR][16].
+// Half h (outputs 8 h .. 8 h + 7) of groups 2 p and 2 p + 1 of a unit's 8-bit numbers (at g) as
+// int16 pairs, lane o = (g[2 p][o], g[2 p + 1][o]): vpmaddwd's operand.
+FT_TARGET_AVX2 FT_INLINE __m256i group_pairs_avx2(const uint8_t* g, int p, int h, bool is_signed) {
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 32 * p + 8 * h));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 32 * p + 16 + 8 * h));
+  const __m128i ab = _mm_unpacklo_epi8(a, b);
+  return is_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
+}
+
+// Rows [m0, m0 + MR) against one panel; acc_out [MR][16]. A K-quant's groups are summed in
+// integer over its superblock (as panel_rows_vnni_k), the rest scaled a group at a time.
 template <int MR, int KIND>
 FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
   constexpr int G = ki.group, PER = ki.unit / G;
+  constexpr bool kq = ki.unit == 256, k4 = ki.scales == kK4;
   const bool signed_codes = c == 128;  // Q8_0: products of the unbiased codes
   const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
   __m256 acc[MR][2];
@@ -317,15 +454,18 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
   const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
+    const uint8_t* sc = unit + (k4 ? 64 : 32);  // K-quants: [PER][16] sc (Q6_K: int8)
+    __m256i I[MR][2];
+    for (int m = 0; m < MR; ++m) I[m][0] = I[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < PER; ++j) {
       const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
       const int64_t k0 = u * ki.unit + j * G;
       __m256i P[MR][2];
       for (int m = 0; m < MR; ++m) {
         int32_t init = 0;
-        if (!has_min(KIND) && !signed_codes) {
+        if (!kq && !has_min(KIND) && !signed_codes) {
           const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
-          init = -c * (G == 32 ? s[0] + s[1] : s[0]);
+          init = -c * (s[0] + s[1]);
         }
         P[m][0] = P[m][1] = _mm256_set1_epi32(init);
       }
@@ -358,29 +498,22 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
           step_avx2<MR>(P, v[0], v[1], signed_codes, xk + 4 * s, x.K);
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        __m256 a, b = _mm256_setzero_ps();
-        const int o = 8 * h;
-        if constexpr (ki.scales == kHalf || ki.scales == kHalfMin) {
-          const uint8_t* sp = codes + code_bytes(KIND);
-          a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 2 * o)));
-          if constexpr (ki.scales == kHalfMin)
-            b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 2 * o)));
-        } else {
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(unit + 2 * o)));
-          const uint8_t* sc = unit + (ki.scales == kK4 ? 64 : 32) + 16 * j + o;
-          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
-          a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ki.scales == kK4 ? _mm256_cvtepu8_epi32(s8)
-                                                                  : _mm256_cvtepi8_epi32(s8)));
-          if constexpr (ki.scales == kK4) {
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(unit + 32 + 2 * o)));
-            const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 128));
-            b = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
-                              _mm256_set1_ps(-0.f));
-          }
+      if constexpr (kq) {
+        for (int h = 0; h < 2; ++h) {
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * j + 8 * h));
+          const __m256i scv = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+          for (int m = 0; m < MR; ++m)
+            I[m][h] = _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(P[m][h], scv));
         }
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* sp = codes + code_bytes(KIND);
+        const __m256 a =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16 * h)));
+        __m256 b = _mm256_setzero_ps();
+        if constexpr (ki.scales == kHalfMin)
+          b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 16 * h)));
         for (int m = 0; m < MR; ++m) {
           const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
           const __m256 t = no_contract256(_mm256_mul_ps(a, _mm256_set1_ps(x.d[xb])));
@@ -389,6 +522,40 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
           if constexpr (has_min(KIND))
             acc[m][h] = _mm256_add_ps(
                 acc[m][h], no_contract256(_mm256_mul_ps(b, _mm256_set1_ps(x.xs32[xb]))));
+        }
+      }
+    }
+    if constexpr (kq) {  // the superblock's second integer sum and its fp32 step
+      for (int h = 0; h < 2; ++h) {
+        __m256i S[MR];
+        for (int m = 0; m < MR; ++m) S[m] = _mm256_setzero_si256();
+        for (int p = 0; p < PER / 2; ++p) {
+          const __m256i pairs = group_pairs_avx2(k4 ? unit + 192 : sc, p, h, !k4);
+          for (int m = 0; m < MR; ++m) {
+            const int16_t* sx = k4 ? x.h32 + (m0 + m) * ld32 + u * 8 + 2 * p
+                                   : x.h16 + (m0 + m) * ld16 + u * 16 + 2 * p;
+            int32_t word;
+            std::memcpy(&word, sx, 4);
+            S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(pairs, _mm256_set1_epi32(word)));
+          }
+        }
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * h)));
+        const __m256 nmin = _mm256_xor_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 32 + 16 * h))),
+            _mm256_set1_ps(-0.f));
+        for (int m = 0; m < MR; ++m) {
+          const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
+          __m256i Iv = I[m][h];
+          if constexpr (!k4) Iv = _mm256_sub_epi32(Iv, _mm256_mullo_epi32(S[m], _mm256_set1_epi32(c)));
+          const __m256 t = no_contract256(_mm256_mul_ps(d, dx));
+          acc[m][h] = _mm256_add_ps(
+              acc[m][h], no_contract256(_mm256_mul_ps(_mm256_cvtepi32_ps(Iv), t)));
+          if constexpr (k4) {
+            const __m256 t2 = no_contract256(_mm256_mul_ps(nmin, dx));
+            acc[m][h] = _mm256_add_ps(
+                acc[m][h], no_contract256(_mm256_mul_ps(_mm256_cvtepi32_ps(S[m]), t2)));
+          }
         }
       }
     }
@@ -421,10 +588,9 @@ FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, con
 }
 
 // quantize_block compiled for AVX2 (nearbyint becomes one vroundps, not a libm call).
-FT_TARGET_AVX2 void quantize_blocks_avx2(const float* x, int8_t* q, float* d, int32_t* s16,
-                                         float* xs, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i)
-    quantize_block(x + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+FT_TARGET_AVX2 void quantize_blocks_avx2(const float* x, int B, const ActsOut& o, int64_t b0,
+                                         int64_t b1) {
+  for (int64_t blk = b0; blk < b1; ++blk) quantize_block(x, B, o, blk);
 }
 
 // The machine's int8 bound: 12 independent vpdpbusd chains on registers (64 products each).

@@ -1,4 +1,4 @@
-// The int8 mode's kernels (int8_kernels.cpp): x quantized per block of 32, and rows of x
+// The int8 mode's kernels (int8_kernels.cpp): x quantized per block of 32 or 256, and rows of x
 // against one panel of an int8 matrix, in three loops with the same bits (AVX512-VNNI, AVX2,
 // portable). Declarations for int8_linear.cpp, which picks one per call.
 #pragma once
@@ -13,50 +13,69 @@
 namespace freetoken {
 namespace int8 {
 
-// x, quantized: what the kernels read.
-
+// x, quantized: what the kernels read. x's block is 32 values, or 256 when the matrix holds a
+// K-quant (Matrix::xblock): one d for the superblock lets its groups' integer sums be combined in
+// integer (as llama.cpp's Q8_K). d is kept per 32 either way (a 256 block's d repeated 8 times),
+// so the kernels of the 32-value formats read it the same.
 struct Acts {
-  const int8_t* q;    // [M, K]
-  const float* d;     // [M, K / 32]
-  const int32_t* s16; // [M, K / 16]: sums of q over 16
-  const float* xs32;  // [M, K / 32]: d * float(sum of q over 32)
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K / 32]
+  const int32_t* s16;  // [M, K / 16]: sums of q over 16
+  const float* xs32;   // [M, K / 32]: d * float(sum of q over 32)
+  const int16_t* h16;  // [M, K / 16]: the sums of 16 again, as int16 (|sum| <= 2032)
+  const int16_t* h32;  // [M, K / 32]: sums of q over 32, as int16 (|sum| <= 4064)
   int64_t K;
 };
 
-// One row's block of 32: q = rint(x * (127 / amax)), d = amax / 127 (a non-finite amax gives a
-// NaN d, so the row's outputs are NaN rather than garbage).
-FT_INLINE void quantize_block(const float* x, int8_t* q, float* d, int32_t* s16, float* xs32) {
+// Where quantize_block writes one block of B values (B / 32 entries of d and xs32, B / 16 of the
+// sums).
+struct ActsOut {
+  int8_t* q;
+  float* d;
+  int32_t* s16;
+  float* xs32;
+  int16_t* h16;
+  int16_t* h32;
+};
+
+// The sums of block i of 32 values, whose codes are q (its d already stored).
+FT_INLINE void store_sums(const ActsOut& o, int64_t i, int32_t sa, int32_t sb) {
+  o.s16[2 * i] = sa;
+  o.s16[2 * i + 1] = sb;
+  o.h16[2 * i] = static_cast<int16_t>(sa);
+  o.h16[2 * i + 1] = static_cast<int16_t>(sb);
+  o.h32[i] = static_cast<int16_t>(sa + sb);
+  o.xs32[i] = o.d[i] * static_cast<float>(sa + sb);
+}
+
+// One row's block b of B values (B = 32 or 256), x at x + b * B: q = rint(x * (127 / amax)),
+// d = amax / 127 (a non-finite amax gives a NaN d, so the row's outputs are NaN rather than
+// garbage).
+FT_INLINE void quantize_block(const float* x, int B, const ActsOut& o, int64_t b) {
+  x += b * B;
+  const int64_t i0 = b * (B / kXBlock);
   float amax = 0.f;
   bool finite = true;
-  for (int i = 0; i < kXBlock; ++i) {
+  for (int i = 0; i < B; ++i) {
     amax = std::max(amax, std::fabs(x[i]));
     finite = finite && std::isfinite(x[i]);
   }
-  if (!finite) {
-    std::memset(q, 0, kXBlock);
-    *d = std::nanf("");
-    s16[0] = s16[1] = 0;
-    *xs32 = *d;
-    return;
+  const float id = finite && amax > 0.f ? 127.f / amax : 0.f;
+  for (int s = 0; s < B / kXBlock; ++s) {
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < kXBlock; ++i) {
+      const int v = finite ? static_cast<int>(std::nearbyint(x[s * kXBlock + i] * id)) : 0;
+      o.q[(i0 + s) * kXBlock + i] = static_cast<int8_t>(v);
+      sums[i >> 4] += v;
+    }
+    o.d[i0 + s] = finite ? amax / 127.f : std::nanf("");
+    store_sums(o, i0 + s, sums[0], sums[1]);
   }
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t s[2] = {0, 0};
-  for (int i = 0; i < kXBlock; ++i) {
-    const int v = static_cast<int>(std::nearbyint(x[i] * id));
-    q[i] = static_cast<int8_t>(v);
-    s[i >> 4] += v;
-  }
-  *d = amax / 127.f;
-  s16[0] = s[0];
-  s16[1] = s[1];
-  *xs32 = *d * static_cast<float>(s[0] + s[1]);
 }
 
-// Blocks [i0, i1) of x through quantize_block's arithmetic, vectorized (the same bits).
-void quantize_blocks_vnni(const float* x, int8_t* q, float* d, int32_t* s16, float* xs,
-                          int64_t i0, int64_t i1);
-void quantize_blocks_avx2(const float* x, int8_t* q, float* d, int32_t* s16, float* xs,
-                          int64_t i0, int64_t i1);
+// Blocks [b0, b1) of B values of x through quantize_block's arithmetic, vectorized (the same bits).
+void quantize_blocks_vnni(const float* x, int B, const ActsOut& o, int64_t b0, int64_t b1);
+void quantize_blocks_avx2(const float* x, int B, const ActsOut& o, int64_t b0, int64_t b1);
 
 // y[m, n0..n1) (+ bias) for rows [0, M) of x against the panel at data.
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,

@@ -21,10 +21,10 @@ namespace int8 {
 namespace gb = gguf_blocks;
 
 constexpr int32_t kMagic = 0x38544e49;  // "INT8"
-constexpr int32_t kVersion = 2;
+constexpr int32_t kVersion = 3;
 constexpr int kPanel = 16;              // outputs per panel (one vector of int32 lanes)
 constexpr int64_t kHeaderBytes = 64;
-constexpr int kXBlock = 32;             // x's quantization block
+constexpr int kXBlock = 32;             // x's quantization block (256 with a K-quant)
 
 // How a panel stores its codes and scales. Codes: kNib (4-bit, two a byte), kByte, kSix (6-bit:
 // a 4-bit plane and a 2-bit plane). Scales, each the file's own numbers so the repacked copy is
@@ -179,7 +179,8 @@ constexpr Format kFormats[] = {
 constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 
 // --- the packed matrix ---------------------------------------------------------------------------
-// Header (int32 words): magic, version, N, K, number of panels P, 0...; then per panel a
+// Header (int32 words): magic, version, N, K, number of panels P, x's quantization block (256
+// when a panel is a K-quant, else 32), 0...; then per panel a
 // PanelInfo; then each panel's units (64-byte aligned panels; units follow each other). Codes of
 // a byte group: G / 4 vectors, vector s byte 4 o + j = u[o, k0 + 4 s + j]. Of a 4-bit group
 // (G = 32): 4 vectors, vector t byte 4 o + j = u[o, k0 + 4 t + j] in the low nibble and
@@ -194,6 +195,7 @@ struct PanelInfo {
 
 struct Matrix {
   int64_t N, K, P;
+  int xblock;
   const PanelInfo* panels;
   const uint8_t* base;
 };
@@ -203,7 +205,7 @@ inline Matrix read_matrix(const at::Tensor& w, const char* op) {
   const auto* h = reinterpret_cast<const int32_t*>(w.data_ptr());
   TORCH_CHECK_VALUE(h[1] == kVersion, op, ": int8 matrix version ", h[1], ", expected ", kVersion);
   const auto* base = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  return {h[2], h[3], h[4], reinterpret_cast<const PanelInfo*>(base + kHeaderBytes), base};
+  return {h[2], h[3], h[4], h[5], reinterpret_cast<const PanelInfo*>(base + kHeaderBytes), base};
 }
 
 // Group j of a unit, read one value at a time (the portable loop, unpacking, packing's mirror).

@@ -1,8 +1,9 @@
 // The int8 compute mode's linear (issue 24): y = x @ W^T (+ bias), where x is quantized to int8 per
-// block of 32 values with an fp32 scale (as llama.cpp's Q8_0) and W keeps its GGUF integer codes,
-// so each group of 32 (16 for Q6_K) weights times x is one exact integer dot product, scaled in
-// fp32. Not exact: x loses its low bits (the exact mode is gguf_linear.cpp). Three loops with
-// the same bits: AVX512-VNNI, AVX2 (CPUs without VNNI), portable (baseline x86-64).
+// block with an fp32 scale (32 values as llama.cpp's Q8_0; 256 when W holds a K-quant, as its
+// Q8_K) and W keeps its GGUF integer codes, so each group of 32 (16 for Q6_K) weights times x is
+// one exact integer dot product. Not exact: x loses its low bits (the exact mode is
+// gguf_linear.cpp). Three loops with the same bits: AVX512-VNNI, AVX2 (CPUs without VNNI),
+// portable (baseline x86-64).
 //
 // The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
 // u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
@@ -16,13 +17,31 @@
 // is each dequantized weight bit for bit (tested). The repacked copy is the one copy in use
 // (the file's pages are only read while packing).
 //
-// The arithmetic, for row m, output n, in increasing group order g (integer sums exact, then
-// fp32 without FMA contraction, so a NumPy reference reproduces it bit for bit, and no input but
-// the row itself changes it: the same bits for any row count, rows beside it, thread count or ISA):
-//   P   = sum_{k in g} u[n, k] * q[m, k] - c * S            (int32; S = sum_{k in g} q[m, k])
-//   acc = acc + float(P) * (a[n, g] * d[m, k / 32])
-//   acc = acc + b[n, g] * (d[m, k / 32] * float(S))         (formats with a min only)
-// where q[m, k] = rint(x[m, k] * (127 / amax)) and d = amax / 127 over x's block of 32.
+// The arithmetic, for row m and output n (integer sums exact, then fp32 without FMA contraction,
+// so a NumPy reference reproduces it bit for bit, and no input but the row itself changes it:
+// the same bits for any row count, rows beside it, thread count or ISA).
+//  * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (x per 32): q[m, k] = rint(x[m, k] * (127 / amax)) and
+//    d = amax / 127 over x's 32; S_g = sum_{k in g} q[m, k]. In increasing group order g:
+//      P   = sum_{k in g} u[n, k] * q[m, k] - c * S_g                       (int32)
+//      acc = acc + float(P) * (a[n, g] * d)
+//      acc = acc + b[n, g] * (d * float(S_g))                             (formats with a min)
+//  * Q4_K, Q5_K, Q6_K (x per 256, as llama.cpp's Q8_K: one d a superblock, so its groups' sums
+//    combine in integer), with the superblock's fp16 d[n] (and dmin[n]) and its groups' integer
+//    scales sc[n, g] (and mins mn[n, g]), a = d * sc and b = -(dmin * mn), in increasing
+//    superblock order:
+//      I   = sum_g sc[n, g] * sum_{k in g} u[n, k] * q[m, k]                (int32)
+//      Q4_K, Q5_K:  T = sum_g mn[n, g] * S_g;   Q6_K:  I = I - c * sum_g sc[n, g] * S_g
+//      acc = acc + float(I) * (d[n] * d)
+//      acc = acc + float(T) * ((-dmin[n]) * d)                            (Q4_K, Q5_K)
+//    (A format of 32 in the same matrix reads the 256 block's d for each of its 32s.)
+//    NOTE: why a superblock at a time: on Zen 5 vpdpbusd shares its two pipes with vmulps,
+//    vpmulld and vpdpwssd (and, add, shift and convert run beside it), so a group's fp32 steps
+//    (3 products a row) cost what 3 of its 8 vpdpbusd do; the superblock's way takes one
+//    vpmulld a group and a row. 1B-shaped matrices at 224 rows: Q4_K 0.93, Q6_K 0.73 of the time.
+//    Tried and dropped: a power-of-two exponent per 32 under the 256 block's d (x nearer its
+//    per-32 precision: 1.62e-2 -> 1.10e-2 relative error on heavy-tailed x) cost Q4_K 5-11 % and
+//    Q6_K 22-25 % more time: the loop is bound by instruction throughput now, and the shift
+//    adds two instructions a group and a row.
 #include "linear/int8_linear.h"
 
 #include <algorithm>
@@ -46,35 +65,37 @@ bool use_vnni() { return cpu_has_vnni() && current_isa() == Isa::kAvx512; }
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
 struct ActStore {
-  at::Tensor q, d, s16, xs32;
+  at::Tensor q, d, s16, xs32, h16, h32;
   Acts view() const {
-    return {q.data_ptr<int8_t>(), d.data_ptr<float>(), s16.data_ptr<int32_t>(),
-            xs32.data_ptr<float>(), q.size(1)};
+    return {q.data_ptr<int8_t>(),   d.data_ptr<float>(),     s16.data_ptr<int32_t>(),
+            xs32.data_ptr<float>(), h16.data_ptr<int16_t>(), h32.data_ptr<int16_t>(),
+            q.size(1)};
   }
 };
 
-ActStore quantize(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), B = K / kXBlock;
-  ActStore s{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, B}, x.options()),
-             at::empty({M, 2 * B}, x.options().dtype(at::kInt)), at::empty({M, B}, x.options())};
+// x [M, K] quantized per block of B values (32 or 256).
+ActStore quantize(const at::Tensor& x, int B) {
+  const int64_t M = x.size(0), K = x.size(1), B32 = K / kXBlock;
+  const auto i32 = x.options().dtype(at::kInt), i16 = x.options().dtype(at::kShort);
+  ActStore s{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, B32}, x.options()),
+             at::empty({M, 2 * B32}, i32),  at::empty({M, B32}, x.options()),
+             at::empty({M, 2 * B32}, i16),  at::empty({M, B32}, i16)};
+  const ActsOut out{s.q.data_ptr<int8_t>(),   s.d.data_ptr<float>(),
+                    s.s16.data_ptr<int32_t>(), s.xs32.data_ptr<float>(),
+                    s.h16.data_ptr<int16_t>(), s.h32.data_ptr<int16_t>()};
   const float* xp = x.data_ptr<float>();
-  int8_t* q = s.q.data_ptr<int8_t>();
-  float* d = s.d.data_ptr<float>();
-  int32_t* s16 = s.s16.data_ptr<int32_t>();
-  float* xs = s.xs32.data_ptr<float>();
-  // Worth the pool from a few thousand blocks (a prefill step).
-  const int64_t nblocks = M * B;
-  const int nthreads = nblocks < 4096 ? 1 : at::get_num_threads();
+  // Worth the pool from a few thousand blocks of 32 (a prefill step).
+  const int64_t nblocks = M * K / B;
+  const int nthreads = M * B32 < 4096 ? 1 : at::get_num_threads();
   const int64_t n = nthreads == 1 ? 1 : 4 * nthreads;
   const bool vnni = use_vnni(), avx2 = use_avx2();
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    const int64_t i0 = nblocks * t / n, i1 = nblocks * (t + 1) / n;
+    const int64_t b0 = nblocks * t / n, b1 = nblocks * (t + 1) / n;
 #if FT_HAS_ISA_VARIANTS
-    if (vnni) return quantize_blocks_vnni(xp, q, d, s16, xs, i0, i1);
-    if (avx2) return quantize_blocks_avx2(xp, q, d, s16, xs, i0, i1);
+    if (vnni) return quantize_blocks_vnni(xp, B, out, b0, b1);
+    if (avx2) return quantize_blocks_avx2(xp, B, out, b0, b1);
 #endif
-    for (int64_t i = i0; i < i1; ++i)
-      quantize_block(xp + i * kXBlock, q + i * kXBlock, d + i, s16 + 2 * i, xs + i);
+    for (int64_t b = b0; b < b1; ++b) quantize_block(xp, B, out, b);
   });
   return s;
 }
@@ -147,8 +168,10 @@ at::Tensor int8_matrix_pack(const at::Tensor& base, const at::Tensor& row_offset
   at::Tensor out = at::zeros({bytes}, base.options());
   uint8_t* p = out.data_ptr<uint8_t>();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0, "int8_matrix: unaligned allocation");
-  const int32_t h[5] = {kMagic, kVersion, static_cast<int32_t>(N), static_cast<int32_t>(K),
-                        static_cast<int32_t>(P)};
+  int32_t xblock = kXBlock;
+  for (const PanelInfo& pi : panels) xblock = std::max(xblock, kKinds[pi.kind].unit);
+  const int32_t h[6] = {kMagic, kVersion, static_cast<int32_t>(N), static_cast<int32_t>(K),
+                        static_cast<int32_t>(P), xblock};
   std::memcpy(p, h, sizeof h);
   std::memcpy(p + kHeaderBytes, panels.data(), P * sizeof(PanelInfo));
   TaskPool::get().run(P, at::get_num_threads(), [&](int64_t i) {
@@ -192,12 +215,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_unpack(
   return {u, a, b, c};
 }
 
-std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_superblocks(
+    const at::Tensor& weight) {
+  const Matrix mat = read_matrix(weight, "int8_matrix_superblocks");
+  const int64_t N = mat.N, K = mat.K;
+  const auto f32 = weight.options().dtype(at::kFloat), i32 = weight.options().dtype(at::kInt);
+  at::Tensor d = at::zeros({N, K / 256}, f32), dmin = at::zeros({N, K / 256}, f32);
+  at::Tensor sc = at::zeros({N, K / 16}, i32), mn = at::zeros({N, K / 16}, i32);
+  for (int64_t p = 0; p < mat.P; ++p) {
+    const PanelInfo& pi = mat.panels[p];
+    const KindInfo& ki = kKinds[pi.kind];
+    if (ki.unit != 256) continue;
+    const bool k4 = ki.scales == kK4;
+    for (int64_t un = 0; un < K / 256; ++un) {
+      const uint8_t* unit = mat.base + pi.offset + un * unit_bytes(pi.kind);
+      for (int o = 0; o < pi.n1 - pi.n0; ++o) {
+        const int64_t n = pi.n0 + o;
+        d.data_ptr<float>()[n * (K / 256) + un] = gb::half_to_float(unit + 2 * o);
+        if (k4) dmin.data_ptr<float>()[n * (K / 256) + un] = gb::half_to_float(unit + 32 + 2 * o);
+        for (int i = 0; i < 16; ++i) {
+          const int j = i * 16 / ki.group;
+          sc.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] =
+              k4 ? unit[64 + 16 * j + o] : static_cast<int8_t>(unit[32 + 16 * j + o]);
+          if (k4) mn.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] = unit[192 + 16 * j + o];
+        }
+      }
+    }
+  }
+  return {d, dmin, sc, mn};
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK_VALUE(block == 32 || block == 256, "int8_quantize_rows: block is 32 or 256, not ",
+                    block);
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                        x.is_contiguous() && x.size(1) % kXBlock == 0,
+                        x.is_contiguous() && x.size(1) % block == 0,
                     "int8_quantize_rows: x must be a contiguous [M, K] fp32 CPU tensor, K a "
-                    "multiple of 32");
-  ActStore s = quantize(x);
+                    "multiple of ", block);
+  ActStore s = quantize(x, static_cast<int>(block));
   return {s.q, s.d};
 }
 
@@ -208,7 +263,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, mat.N}, x.options());
   if (M == 0) return y;
-  const ActStore store = quantize(x);
+  const ActStore store = quantize(x, mat.xblock);
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
   const bool vnni = use_vnni(), avx2 = use_avx2();

@@ -36,8 +36,14 @@ std::vector<int64_t> int8_matrix_shape(const at::Tensor& weight);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_unpack(
     const at::Tensor& weight);
 
-// x [M, K] fp32 -> its int8 codes [M, K] and scales [M, K / 32] (the activation quantization).
-std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x);
+// A K-quant panel's own numbers (for tests): d and dmin [N, K / 256] fp32 (Q6_K: dmin 0), sc
+// and mn [N, K / 16] int32 (a group's value on each of its 16s); zeros outside K-quant panels.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_superblocks(
+    const at::Tensor& weight);
+
+// x [M, K] fp32 -> its int8 codes [M, K] and scales [M, K / 32] (the activation quantization, per
+// block of `block` = 32 or 256 values; a 256 block's scale repeated for each of its 32).
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x, int64_t block);
 
 // x [M, K] fp32 contiguous, bias [N] fp32 or none -> y [M, N] fp32.
 at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,

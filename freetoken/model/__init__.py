@@ -50,7 +50,8 @@ def build_model(
     form = model.pack_linears(matrices, blocks)
     if ops.config().compute == "int8":
         logger.info("linear layers: int8 compute mode: %s weights' codes repacked for integer dot "
-                    "products (%s), activations quantized to int8 per block of 32%s",
+                    "products (%s), activations quantized to int8 per block of 32 (256 for "
+                    "K-quants)%s",
                     "/".join(int8_types) or "no", "AVX512-VNNI" if ops.int8_vnni_available()
                     and ops.cpu_isa() == "avx512" else "AVX2" if ops.cpu_isa() != "base"
                     else "portable loop", f"; {'/'.join(exact_types)} weights computed exact "

@@ -10,9 +10,9 @@ freetoken/model/linear.py): auto | gguf (a GGUF's weights in place, whatever its
 panels (no GGUF blocks) | onednn (no panels) | torch (F.linear). cpu_isa: auto (cpuid) | avx512
 | avx2 | base, the CPU kernels' variant.
 compute: how a GGUF's quantized linears compute: exact (each weight its exact dequantized fp32
-value, fp32 FMAs) | int8 (x quantized to int8 per block of 32, integer dot products with the
-weights' codes: faster, not exact; freetoken/ops/int8.py). Attention, norms and the sampler are
-fp32 in both.
+value, fp32 FMAs) | int8 (x quantized to int8 per block of 32, or 256 for K-quants, integer dot
+products with the weights' codes: faster, not exact; freetoken/ops/int8.py). Attention, norms and
+the sampler are fp32 in both.
 pool_poll_us: how long the kernels' thread pool polls between calls before it sleeps (None: 200;
 0: sleep at once; csrc/common/task_pool.h). Nothing here reads the environment: the CLI (or a
 script's flags) decides and calls configure, before the model loads (packing follows `linear`).
@@ -37,8 +37,8 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "panel_pack", "gguf_pack", "gguf_matrix", "gguf_matrix_types", "is_gguf_matrix",
               "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
               "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
-              "int8_matrix_unpack", "int8_quantize_rows", "int8_vnni_available",
-              "int8_peak_gops", "int8_bits_per_weight")
+              "int8_matrix_unpack", "int8_matrix_superblocks", "int8_quantize_rows",
+              "int8_vnni_available", "int8_peak_gops", "int8_bits_per_weight")
 
 try:
     from freetoken import _C  # noqa: N813

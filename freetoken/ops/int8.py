@@ -1,12 +1,14 @@
 """The int8 compute mode's weights and products (csrc/linear/int8_linear.cpp): a GGUF weight's
-integer codes repacked 16 outputs at a time, x quantized to int8 per block of 32 at each call,
-integer dot products (AVX512-VNNI where the CPU has it, else AVX2, else a portable loop: the
-same bits on all three), fp32 scales per group in one fixed order.
+integer codes repacked 16 outputs at a time, x quantized to int8 at each call (per block of 32,
+or of 256 when the weight holds a K-quant), integer dot products (AVX512-VNNI where the CPU has
+it, else AVX2, else a portable loop: the same bits on all three), fp32 scales in one fixed order:
+a group at a time, or for a K-quant a superblock at a time after its groups' integer sums.
 
     int8_matrix(base, row_offsets, types, ends, in_features) -> the int8 matrix (panel_linear)
     int8_matrix_available(type) -> bool;  is_int8_matrix(weight) -> bool
     int8_matrix_unpack(weight) -> (u, a, b, c): each weight is a * (u - c) + b
-    int8_quantize_rows(x) -> (q int8 [M, K], d fp32 [M, K / 32])
+    int8_matrix_superblocks(weight) -> (d, dmin, sc, mn): a K-quant's own numbers
+    int8_quantize_rows(x, block=32) -> (q int8 [M, K], d fp32 [M, K / 32])
     int8_vnni_available() -> bool;  int8_peak_gops(iters, threads) -> the int8 bound (benchmarks)
 
 No torch twin: the mode needs the extension (the exact mode is the default everywhere). Not the
@@ -58,10 +60,19 @@ def int8_matrix_unpack(weight: torch.Tensor
     return _C.int8_matrix_unpack(weight)
 
 
-def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 (K a multiple of 32) -> (q int8 [M, K], d fp32 [M, K / 32]): per block of
-    32, d = amax / 127 and q = rint(x * (127 / amax)), as the int8 linear quantizes its input."""
-    return _C.int8_quantize_rows(x.contiguous())
+def int8_matrix_superblocks(weight: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int8 matrix -> a K-quant's own numbers, which its superblock arithmetic uses: d and
+    dmin fp32 [N, K / 256] (Q6_K: dmin 0), sc and mn int32 [N, K / 16] (each group's value on
+    its 16s), with a = d * sc and b = -(dmin * mn); zeros outside K-quant panels (for tests)."""
+    return _C.int8_matrix_superblocks(weight)
+
+
+def int8_quantize_rows(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 (K a multiple of `block`, 32 or 256) -> (q int8 [M, K], d fp32 [M, K / 32]):
+    per block, d = amax / 127 and q = rint(x * (127 / amax)), as the int8 linear quantizes its
+    input (a block of 256's d repeated for each of its 32s)."""
+    return _C.int8_quantize_rows(x.contiguous(), int(block))
 
 
 def int8_vnni_available() -> bool:

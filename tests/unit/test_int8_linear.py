@@ -24,36 +24,81 @@ GROUP = {"Q6_K": 16}  # weights a scale; 32 for the rest
 MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = a * u + b; the rest a * (u - c)
 
 
-def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [M, K] fp32 -> (q int32 [M, K], d fp32 [M, K / 32]), in fp32 as the kernel does."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # summed in integer over a superblock of 256
+
+
+def quantize_ref(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] fp32 -> (q int32 [M, K], d fp32 [M, K / 32]), in fp32 as the kernel does, per
+    block of `block` values (a block of 256's d repeated for each of its 32s)."""
+    blocks = x.reshape(x.shape[0], -1, block)
     amax = np.abs(blocks).max(axis=2)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv[:, :, None]).astype(np.int32)
-    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return q.reshape(x.shape), np.repeat(d, block // 32, axis=1)
 
 
 def linear_ref(x: np.ndarray, u: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndarray,
-               type_: str) -> np.ndarray:
-    """The int8 linear's arithmetic (int8_linear.cpp's module comment), group by group."""
-    q, d = quantize_ref(x)
-    g_size = GROUP.get(type_, 32)
+               type_: str, sb=None, block: int = 32) -> np.ndarray:
+    """The int8 linear's arithmetic (int8_linear.cpp's module comment): x quantized per `block`
+    (256 when the matrix holds a K-quant); a K-quant a superblock at a time from its own numbers
+    `sb` (int8_matrix_superblocks), the other formats a group at a time."""
+    q, d = quantize_ref(x, block)
     m_rows, k = x.shape
     acc = np.zeros((m_rows, u.shape[0]), np.float32)
+    if type_ in K_TYPES:
+        sd, smin, sc, mn = sb
+        g_size = GROUP.get(type_, 32)
+        for s in range(k // 256):
+            i = np.zeros((m_rows, u.shape[0]), np.int64)
+            mins = np.zeros_like(i)
+            for g in range(s * 256 // g_size, (s + 1) * 256 // g_size):
+                ks = slice(g * g_size, (g + 1) * g_size)
+                qs = q[:, ks].sum(axis=1)[:, None]
+                p = q[:, ks] @ u[:, ks].astype(np.int64).T - qs * c[None, :]
+                i += p * sc[None, :, g * g_size // 16]
+                mins += qs * mn[None, :, g * g_size // 16]
+            assert np.abs(i).max() < 2**31 and np.abs(mins).max() < 2**31
+            dx = d[:, s * 8][:, None]
+            t = (sd[None, :, s] * dx).astype(np.float32)
+            acc = (acc + (i.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
+            if type_ != "Q6_K":
+                t2 = (-smin[None, :, s] * dx).astype(np.float32)
+                acc = (acc + (mins.astype(np.float32) * t2).astype(np.float32)).astype(np.float32)
+        return acc
+    g_size = 32
     for g in range(k // g_size):
         ks = slice(g * g_size, (g + 1) * g_size)
         s = q[:, ks].sum(axis=1)                                   # [M]
         p = q[:, ks] @ u[:, ks].astype(np.int32).T - np.outer(s, c)  # [M, N] exact int
-        dx = d[:, g * g_size // 32]                                # [M]
-        t = (a[None, :, g * g_size // 16] * dx[:, None]).astype(np.float32)
+        dx = d[:, g]                                               # [M]
+        t = (a[None, :, g * 2] * dx[:, None]).astype(np.float32)
         acc = (acc + (p.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
         if type_ in MIN_TYPES:
-            s32 = q[:, (g * g_size // 32) * 32:(g * g_size // 32 + 1) * 32].sum(axis=1)
-            xs = (dx * s32.astype(np.float32)).astype(np.float32)
-            acc = (acc + (b[None, :, g * g_size // 16] * xs[:, None]).astype(np.float32)
+            xs = (dx * s.astype(np.float32)).astype(np.float32)
+            acc = (acc + (b[None, :, g * 2] * xs[:, None]).astype(np.float32)
                    ).astype(np.float32)
     return acc
+
+
+def reference(x: np.ndarray, weight, type_: str, rows=slice(None), block=None) -> np.ndarray:
+    """linear_ref on rows `rows` of an int8 matrix, x quantized as the matrix asks."""
+    u, a, b, c = (t[rows] for t in unpacked(weight))
+    sb = [t.numpy()[rows] for t in ops.int8_matrix_superblocks(weight)]
+    if block is None:
+        block = 256 if type_ in K_TYPES else 32
+    return linear_ref(x, u, a, b, c, type_, sb, block)
+
+
+def varied_rows(m: int, k: int) -> torch.Tensor:
+    """x [m, k] whose 32s differ in size by up to 100x (a 256 block's scale then differs from
+    its 32s'), with a zero 32."""
+    g = torch.Generator().manual_seed(m * k)
+    sizes = torch.rand(m, k // 32, generator=g).pow(2).add(0.01)
+    x = torch.randn(m, k, generator=g) * sizes.repeat_interleave(32, dim=1)
+    x[0, 32:64] = 0
+    return x
 
 
 def unpacked(weight):
@@ -95,33 +140,46 @@ def test_codes_and_scales_are_the_dequantized_weights(type_):
         w_int8 = (a[:, g] * u.astype(np.float32)).astype(np.float32) + b[:, g]
     np.testing.assert_array_equal(w_int8, w.numpy())
     assert ops.panel_shape(weight) == (21, k)
+    # A K-quant's own numbers, which its superblock arithmetic reads, are those same scales.
+    d, dmin, sc, mn = (t.numpy() for t in ops.int8_matrix_superblocks(weight))
+    if type_ in K_TYPES:
+        s = np.arange(k // 16) // 16
+        np.testing.assert_array_equal(a, (d[:, s] * sc.astype(np.float32)).astype(np.float32))
+        np.testing.assert_array_equal(b, -(dmin[:, s] * mn.astype(np.float32)).astype(np.float32))
+        assert (sc != 0).any() and (type_ == "Q6_K" or (mn != 0).any())
+    else:
+        assert not d.any() and not sc.any()
 
 
-def test_activation_quantization(isa):
-    x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(32)
-    x[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
-    x[2, 0] = 127.5 / 127 * x[2, :32].abs().max()  # rounding at the edge
-    q, d = ops.int8_quantize_rows(x)
-    q_ref, d_ref = quantize_ref(x.numpy())
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_quantization(isa, block):
+    x = torch.randn(5, 768) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(256)
+    x *= torch.tensor([1, .4, .2, .05, 1, .7, .3, .1]).repeat_interleave(32).repeat(3)
+    x[1, 256:512] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 0] = 127.5 / 127 * x[2, :block].abs().max()  # rounding at the edge
+    q, d = ops.int8_quantize_rows(x, block)
+    q_ref, d_ref = quantize_ref(x.numpy(), block)
     np.testing.assert_array_equal(q.numpy().astype(np.int32), q_ref)
     np.testing.assert_array_equal(d.numpy(), d_ref)
-    assert q.abs().max() <= 127
+    assert q.abs().max() <= 127 and q.abs().max() == 127
+    with pytest.raises(ValueError, match="block is 32 or 256"):
+        ops.int8_quantize_rows(x, 64)
 
 
 @pytest.mark.parametrize("type_", INT8_TYPES)
 def test_products_are_the_reference_bits_in_every_batch(isa, type_):
     k = k_for(type_, 5 if block_of(type_) < 256 else 2)
     weight, w = int8_matrix([(type_, random_rows(type_, 37, k, seed=2))], k)
-    x = torch.randn(23, k)
+    x = varied_rows(23, k)
     bias = torch.randn(37)
     y = ops.panel_linear(x, weight, bias)
-    ref = linear_ref(x.numpy(), *unpacked(weight), type_) + bias.numpy()
+    ref = reference(x.numpy(), weight, type_) + bias.numpy()
     np.testing.assert_array_equal(y.numpy(), ref)
     # The int8 error itself stays small against the exact product.
     exact = x.double() @ w.double().T + bias.double()
     scale = x.double().abs() @ w.double().abs().T
     assert ((y.double() - exact).abs() <= 0.02 * scale + 1e-6).all()
-    for rows_in_step in (1, 2, 3, 7, 8, 9, 16):
+    for rows_in_step in (1, 2, 3, 7, 8, 9, 12, 13, 16):
         for first in (0, 23 - rows_in_step):
             part = ops.panel_linear(x[first:first + rows_in_step].contiguous(), weight, bias)
             assert torch.equal(part, y[first:first + rows_in_step]), (rows_in_step, first)
@@ -129,21 +187,22 @@ def test_products_are_the_reference_bits_in_every_batch(isa, type_):
 
 def test_fused_segments_of_mixed_types_and_odd_sizes():
     """q | k | v as a Q4_K_M file lays them out (Q4_K, Q4_K, Q6_K), segments not multiples of
-    16 outputs; and a legacy pair."""
-    for parts, k in (([("Q4_K", random_rows("Q4_K", 40, 512, 4)),
-                       ("Q4_K", random_rows("Q4_K", 9, 512, 5)),
-                       ("Q6_K", random_rows("Q6_K", 17, 512, 6))], 512),
-                     ([("Q4_1", random_rows("Q4_1", 3, 96, 7)),
-                       ("Q8_0", random_rows("Q8_0", 30, 96, 8))], 96)):
+    16 outputs; a legacy pair; and a K-quant beside a legacy format, where x is quantized per
+    256 for both (the legacy one reads that block's d for each of its 32s)."""
+    for parts, k, block in (([("Q4_K", random_rows("Q4_K", 40, 512, 4)),
+                              ("Q4_K", random_rows("Q4_K", 9, 512, 5)),
+                              ("Q6_K", random_rows("Q6_K", 17, 512, 6))], 512, 256),
+                            ([("Q4_1", random_rows("Q4_1", 3, 96, 7)),
+                              ("Q8_0", random_rows("Q8_0", 30, 96, 8))], 96, 32),
+                            ([("Q5_K", random_rows("Q5_K", 20, 512, 11)),
+                              ("Q8_0", random_rows("Q8_0", 5, 512, 12))], 512, 256)):
         weight, _ = int8_matrix(parts, k)
-        x = torch.randn(11, k)
+        x = varied_rows(11, k)
         y = ops.panel_linear(x, weight)
-        u, a, b, c = unpacked(weight)
         start = 0
         for type_, rows in parts:
             n = rows.shape[0]
-            ref = linear_ref(x.numpy(), u[start:start + n], a[start:start + n],
-                             b[start:start + n], c[start:start + n], type_)
+            ref = reference(x.numpy(), weight, type_, slice(start, start + n), block)
             np.testing.assert_array_equal(y[:, start:start + n].numpy(), ref)
             start += n
 
