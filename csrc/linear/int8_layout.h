@@ -263,12 +263,14 @@ inline int format_id(const std::string& name) {
   return -1;
 }
 
-// One panel's units from the rows n0..n1 of format f (the layout of GroupRef).
-inline void fill_panel(const Format& f, const uint8_t* const* rows, int n0, int n1, int64_t K,
-                uint8_t* out) {
-  const int kind = f.kind;
-  const KindInfo& ki = kKinds[kind];
-  const int G = ki.group;
+// One panel's units from the rows n0..n1 of format f (the layout of GroupRef). Compiled per kind
+// (with_kind): a switch on the code width for every weight was most of a model's load time.
+template <int KIND>
+inline void fill_panel_kind(const Format& f, const uint8_t* const* rows, int n0, int n1,
+                            int64_t K, uint8_t* out) {
+  constexpr int kind = KIND;
+  constexpr KindInfo ki = kKinds[kind];
+  constexpr int G = ki.group;
   const int64_t units = K / ki.unit;
   for (int o = 0; o < n1 - n0; ++o) {
     for (int64_t u = 0; u < units; ++u) {
@@ -288,25 +290,32 @@ inline void fill_panel(const Format& f, const uint8_t* const* rows, int n0, int 
           std::memcpy(codes + code_bytes(kind) + 2 * o, &s.d, 2);
           if (ki.scales == kHalfMin) std::memcpy(codes + code_bytes(kind) + 32 + 2 * o, &s.dmin, 2);
         }
-        for (int k = 0; k < G; ++k) {
-          const uint8_t v = s.u[j * G + k];
-          switch (ki.codes) {
-            case kNib:
-              codes[64 * ((k & 15) >> 2) + 4 * o + (k & 3)] |=
-                  k < 16 ? v : static_cast<uint8_t>(v << 4);
-              break;
-            case kByte: codes[64 * (k >> 2) + 4 * o + (k & 3)] = v; break;
-            default: {
-              const int st = k >> 2;
-              codes[64 * (st & 1) + 4 * o + (k & 3)] |=
-                  st < 2 ? (v & 15) : static_cast<uint8_t>((v & 15) << 4);
-              codes[128 + 4 * o + (k & 3)] |= static_cast<uint8_t>((v >> 4) << (2 * st));
-            }
-          }
+        const uint8_t* v = s.u + j * G;
+        if constexpr (ki.codes == kNib) {
+          for (int k = 0; k < 16; ++k)
+            codes[64 * (k >> 2) + 4 * o + (k & 3)] =
+                static_cast<uint8_t>(v[k] | (v[16 + k] << 4));
+        } else if constexpr (ki.codes == kByte) {
+          for (int k = 0; k < G; ++k) codes[64 * (k >> 2) + 4 * o + (k & 3)] = v[k];
+        } else {
+          for (int k = 0; k < 8; ++k)  // steps t and t + 2 share a byte of the 4-bit plane
+            codes[64 * (k >> 2) + 4 * o + (k & 3)] =
+                static_cast<uint8_t>((v[k] & 15) | ((v[8 + k] & 15) << 4));
+          for (int k = 0; k < 4; ++k)
+            codes[128 + 4 * o + k] = static_cast<uint8_t>((v[k] >> 4) | ((v[4 + k] >> 4) << 2) |
+                                                          ((v[8 + k] >> 4) << 4) |
+                                                          ((v[12 + k] >> 4) << 6));
         }
       }
     }
   }
+}
+
+inline void fill_panel(const Format& f, const uint8_t* const* rows, int n0, int n1, int64_t K,
+                       uint8_t* out) {
+  with_kind(f.kind, [&](auto kind) {
+    fill_panel_kind<decltype(kind)::value>(f, rows, n0, n1, K, out);
+  });
 }
 
 }  // namespace int8
