@@ -174,8 +174,20 @@ FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int B, const ActsOut& o
 // read are asked for (1B Q4_K ffn_gate at 8 rows, one thread: 5.8-6.2 -> 4.1-4.4 ms).
 constexpr int64_t kPrefetchBytes = 2048;
 
+// The 4 codes of x's row m0 + m at k (a multiple of 4): from the row, or (TILED) from the tile
+// copy, where a tile's rows share one base address.
+template <bool TILED>
+FT_INLINE const int8_t* x_at(const Acts& x, int64_t m0, int m, int64_t k) {
+  if constexpr (TILED) {
+    return reinterpret_cast<const int8_t*>(
+        x.qt + ((m0 / kTileRows) * (x.K / 4) + k / 4) * kTileRows + m);
+  } else {
+    return x.q + (m0 + m) * x.K + k;
+  }
+}
+
 // P[m] += one group's codes . rows m0 + m of x at k0 (16 output lanes, exact int32).
-template <int MR, int KIND>
+template <int MR, int KIND, bool TILED = false>
 FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, int64_t m0,
                                          int64_t k0, __m512i (&P)[MR]) {
   constexpr KindInfo ki = kKinds[KIND];
@@ -188,9 +200,8 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const int8_t* xq = x.q + (m0 + m) * x.K + k0;
-        P[m] = dot4(P[m], lo, xq + 4 * t);
-        P[m] = dot4(P[m], hi, xq + 16 + 4 * t);
+        P[m] = dot4(P[m], lo, x_at<TILED>(x, m0, m, k0 + 4 * t));
+        P[m] = dot4(P[m], hi, x_at<TILED>(x, m0, m, k0 + 16 + 4 * t));
       }
     }
   } else if constexpr (ki.codes == kByte) {
@@ -198,7 +209,7 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
     for (int s = 0; s < ki.group / 4; ++s) {
       const __m512i v = _mm512_loadu_si512(codes + 64 * s);
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x.q + (m0 + m) * x.K + k0 + 4 * s);
+      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x_at<TILED>(x, m0, m, k0 + 4 * s));
     }
   } else {  // 6-bit: the 4-bit plane (steps t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1)
     const __m512i plane = _mm512_loadu_si512(codes + 128);
@@ -215,7 +226,7 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v[s], x.q + (m0 + m) * x.K + k0 + 4 * s);
+      for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v[s], x_at<TILED>(x, m0, m, k0 + 4 * s));
     }
   }
 }
@@ -289,7 +300,7 @@ FT_TARGET_VNNI FT_INLINE __m512i dot2w(__m512i acc, __m512i pairs, const int16_t
 
 // Rows [m0, m0 + MR) against one K-quant panel (x quantized per 256): the superblock's arithmetic
 // of int8_linear.cpp's module comment, its sums in integer and one fp32 step a superblock.
-template <int MR, int KIND>
+template <int MR, int KIND, bool TILED>
 FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, int64_t units,
                                                 const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
@@ -312,7 +323,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
       prefetch_to(prefetched, codes + group_bytes(KIND));
       __m512i P[MR];
       for (int m = 0; m < MR; ++m) P[m] = _mm512_setzero_si512();
-      group_dots<MR, KIND>(codes, x, m0, u * 256 + j * G, P);
+      group_dots<MR, KIND, TILED>(codes, x, m0, u * 256 + j * G, P);
       const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * j));
       const __m512i scv = k4 ? _mm512_maskz_cvtepu8_epi32(0xFFFF, s8)
                              : _mm512_maskz_cvtepi8_epi32(0xFFFF, s8);
@@ -353,7 +364,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
 }
 
 constexpr int kVnniRows = 8;  // rows a register tile: 8 int32 sums + 8 fp32 accumulators
-constexpr int kVnniRowsK = 12;  // the K-quants': 12 group sums + 12 superblock sums
+constexpr int kVnniRowsK = kTileRows;  // the K-quants': 12 group sums + 12 superblock sums
 
 template <int KIND, int MR>
 FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t c, int64_t units,
@@ -362,7 +373,8 @@ FT_TARGET_VNNI FT_INLINE void rows_dispatch(int mr, const uint8_t* data, int32_t
     if (mr < MR) return rows_dispatch<KIND, MR - 1>(mr, data, c, units, x, m0, acc);
   }
   if constexpr (kKinds[KIND].unit == 256) {
-    panel_rows_vnni_k<MR, KIND>(data, c, units, x, m0, acc);
+    if (x.qt) return panel_rows_vnni_k<MR, KIND, true>(data, c, units, x, m0, acc);
+    panel_rows_vnni_k<MR, KIND, false>(data, c, units, x, m0, acc);
   } else {
     panel_rows_vnni<MR, KIND>(data, c, units, x, m0, acc);
   }

@@ -25,7 +25,12 @@ struct Acts {
   const int16_t* h16;  // [M, K / 16]: the sums of 16 again, as int16 (|sum| <= 2032)
   const int16_t* h32;  // [M, K / 32]: sums of q over 32, as int16 (|sum| <= 4064)
   int64_t K;
+  // q again, tile by tile of kTileRows rows, the tile's 4 bytes at k side by side:
+  // [M / kTileRows][K / 4][kTileRows] (nullptr where the VNNI K-quant loop does not read it).
+  const int32_t* qt = nullptr;
 };
+
+constexpr int kTileRows = 12;  // rows a tile of the VNNI K-quant loop (12 vpdpbusd chains)
 
 // Where quantize_block writes one block of B values (B / 32 entries of d and xs32, B / 16 of the
 // sums).
