@@ -43,12 +43,11 @@ FT_INLINE float superblock_portable(const uint8_t* unit, int kind, int o, int32_
     const GroupRef gr{kind, unit, j};
     int32_t P = 0;
     for (int k = 0; k < G; ++k) P += gr.code(o, k) * xq[j * G + k];
-    const int sc = k4 ? unit[64 + 16 * j + o] : static_cast<int8_t>(unit[32 + 16 * j + o]);
-    I += sc * P;
+    I += gr.sc(o) * P;
     if (k4) {
-      S += unit[192 + 16 * j + o] * x.h32[m * (x.K / 32) + u * 8 + j];
+      S += gr.mn(o) * x.s32[m * (x.K / 32) + u * 8 + j];
     } else {
-      S += sc * x.h16[m * (x.K / 16) + u * 16 + j];
+      S += gr.sc(o) * x.s16[m * (x.K / 16) + u * 16 + j];
     }
   }
   if (!k4) I -= c * S;
@@ -65,7 +64,7 @@ FT_INLINE float superblock_portable(const uint8_t* unit, int kind, int o, int32_
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias) {
   const KindInfo& ki = kKinds[pi.kind];
-  const int64_t units = x.K / ki.unit, ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  const int64_t units = x.K / ki.unit, ld32 = x.K / kXBlock;
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     const int8_t* xq = x.q + m * x.K;
@@ -78,7 +77,7 @@ void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
       }
       const GroupRef gr{pi.kind, unit, 0};
       const int64_t k0 = u * 32;
-      const int32_t S = x.s16[m * ld16 + k0 / 16] + x.s16[m * ld16 + k0 / 16 + 1];
+      const int32_t S = x.s32[m * ld32 + k0 / 32];
       const float d = x.d[m * ld32 + k0 / kXBlock];
       for (int o = 0; o < kPanel; ++o) {
         int32_t P = -pi.c * S;
@@ -115,11 +114,6 @@ FT_TARGET_VNNI FT_INLINE __m512i dot4(__m512i acc, __m512i codes, const int8_t* 
 
 FT_TARGET_VNNI FT_INLINE __m512 halfs16(const uint8_t* p) {
   return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-FT_TARGET_VNNI FT_INLINE __m512 bytes16(const uint8_t* p, bool is_signed) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_maskz_cvtepi32_ps(0xFFFF, is_signed ? _mm512_maskz_cvtepi8_epi32(0xFFFF, v)
-                                                    : _mm512_maskz_cvtepu8_epi32(0xFFFF, v));
 }
 
 FT_TARGET_VNNI FT_INLINE float hmax(__m512 v) {
@@ -241,7 +235,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, in
                                               const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
   static_assert(ki.unit == 32 && ki.group == 32, "the K-quants take panel_rows_vnni_k");
-  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  const int64_t ld32 = x.K / kXBlock;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* prefetched = data;
@@ -258,8 +252,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, in
       if constexpr (has_min(KIND)) {
         P[m] = _mm512_setzero_si512();
       } else {
-        const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
-        P[m] = _mm512_set1_epi32(-c * (s[0] + s[1]));
+        P[m] = _mm512_set1_epi32(-c * x.s32[(m0 + m) * ld32 + k0 / 32]);
       }
     }
     group_dots<MR, KIND>(codes, x, m0, k0, P);
@@ -314,7 +307,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
   const uint8_t* prefetched = data;
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
-    const uint8_t* sc = unit + (k4 ? 64 : 32);  // [PER][16]: sc (Q6_K: int8)
+    const uint8_t* sc = unit + sc_offset(KIND);  // [PER][16] (Q6_K: int8)
     __m512i I[MR];
     for (int m = 0; m < MR; ++m) I[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
@@ -336,11 +329,11 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
     for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int p = 0; p < PER / 2; ++p) {
-      const __m512i pairs = group_pairs<!k4>(k4 ? unit + 192 : sc, p);
+      const __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m)
-        S[m] = dot2w(S[m], pairs, k4 ? x.h32 + (m0 + m) * ld32 + u * 8 + 2 * p
-                                     : x.h16 + (m0 + m) * ld16 + u * 16 + 2 * p);
+        S[m] = dot2w(S[m], pairs, k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
+                                     : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p);
     }
     const __m512 d = halfs16(unit);
     const __m512 nmin = k4 ? _mm512_xor_ps(halfs16(unit + 32), _mm512_set1_ps(-0.f))
@@ -348,7 +341,8 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
-      if constexpr (!k4) I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
+      if constexpr (!k4)
+        I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
       const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
       __m512 acc = _mm512_add_ps(
           _mm512_loadu_ps(acc_out + m * kPanel),
@@ -466,7 +460,7 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
   const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
-    const uint8_t* sc = unit + (k4 ? 64 : 32);  // K-quants: [PER][16] sc (Q6_K: int8)
+    const uint8_t* sc = unit + sc_offset(KIND);  // K-quants: [PER][16] (Q6_K: int8)
     __m256i I[MR][2];
     for (int m = 0; m < MR; ++m) I[m][0] = I[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < PER; ++j) {
@@ -475,10 +469,7 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
       __m256i P[MR][2];
       for (int m = 0; m < MR; ++m) {
         int32_t init = 0;
-        if (!kq && !has_min(KIND) && !signed_codes) {
-          const int32_t* s = x.s16 + (m0 + m) * ld16 + k0 / 16;
-          init = -c * (s[0] + s[1]);
-        }
+        if (!kq && !has_min(KIND) && !signed_codes) init = -c * x.s32[(m0 + m) * ld32 + k0 / 32];
         P[m][0] = P[m][1] = _mm256_set1_epi32(init);
       }
       const int8_t* xk = x.q + m0 * x.K + k0;
@@ -542,10 +533,10 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
         __m256i S[MR];
         for (int m = 0; m < MR; ++m) S[m] = _mm256_setzero_si256();
         for (int p = 0; p < PER / 2; ++p) {
-          const __m256i pairs = group_pairs_avx2(k4 ? unit + 192 : sc, p, h, !k4);
+          const __m256i pairs = group_pairs_avx2(k4 ? unit + kMinOffset : sc, p, h, !k4);
           for (int m = 0; m < MR; ++m) {
-            const int16_t* sx = k4 ? x.h32 + (m0 + m) * ld32 + u * 8 + 2 * p
-                                   : x.h16 + (m0 + m) * ld16 + u * 16 + 2 * p;
+            const int16_t* sx = k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
+                                   : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p;
             int32_t word;
             std::memcpy(&word, sx, 4);
             S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(pairs, _mm256_set1_epi32(word)));
@@ -559,7 +550,8 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
         for (int m = 0; m < MR; ++m) {
           const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
           __m256i Iv = I[m][h];
-          if constexpr (!k4) Iv = _mm256_sub_epi32(Iv, _mm256_mullo_epi32(S[m], _mm256_set1_epi32(c)));
+          if constexpr (!k4)
+            Iv = _mm256_sub_epi32(Iv, _mm256_mullo_epi32(S[m], _mm256_set1_epi32(c)));
           const __m256 t = no_contract256(_mm256_mul_ps(d, dx));
           acc[m][h] = _mm256_add_ps(
               acc[m][h], no_contract256(_mm256_mul_ps(_mm256_cvtepi32_ps(Iv), t)));

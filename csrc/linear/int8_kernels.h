@@ -20,10 +20,9 @@ namespace int8 {
 struct Acts {
   const int8_t* q;     // [M, K]
   const float* d;      // [M, K / 32]
-  const int32_t* s16;  // [M, K / 16]: sums of q over 16
+  const int16_t* s16;  // [M, K / 16]: sums of q over 16 (|sum| <= 2032)
+  const int16_t* s32;  // [M, K / 32]: sums of q over 32 (|sum| <= 4064)
   const float* xs32;   // [M, K / 32]: d * float(sum of q over 32)
-  const int16_t* h16;  // [M, K / 16]: the sums of 16 again, as int16 (|sum| <= 2032)
-  const int16_t* h32;  // [M, K / 32]: sums of q over 32, as int16 (|sum| <= 4064)
   int64_t K;
   // q again, tile by tile of kTileRows rows, the tile's 4 bytes at k side by side:
   // [M / kTileRows][K / 4][kTileRows] (nullptr where the VNNI K-quant loop does not read it).
@@ -37,19 +36,16 @@ constexpr int kTileRows = 12;  // rows a tile of the VNNI K-quant loop (12 vpdpb
 struct ActsOut {
   int8_t* q;
   float* d;
-  int32_t* s16;
+  int16_t* s16;
+  int16_t* s32;
   float* xs32;
-  int16_t* h16;
-  int16_t* h32;
 };
 
 // The sums of block i of 32 values, whose codes are q (its d already stored).
 FT_INLINE void store_sums(const ActsOut& o, int64_t i, int32_t sa, int32_t sb) {
-  o.s16[2 * i] = sa;
-  o.s16[2 * i + 1] = sb;
-  o.h16[2 * i] = static_cast<int16_t>(sa);
-  o.h16[2 * i + 1] = static_cast<int16_t>(sb);
-  o.h32[i] = static_cast<int16_t>(sa + sb);
+  o.s16[2 * i] = static_cast<int16_t>(sa);
+  o.s16[2 * i + 1] = static_cast<int16_t>(sb);
+  o.s32[i] = static_cast<int16_t>(sa + sb);
   o.xs32[i] = o.d[i] * static_cast<float>(sa + sb);
 }
 

@@ -65,6 +65,10 @@ constexpr int64_t code_bytes(int kind) {  // one group, 16 outputs
   return (kKinds[kind].codes == kNib ? 8 : kKinds[kind].codes == kByte ? 16 : 12) *
          kKinds[kind].group;
 }
+// A K kind's unit head: fp16 d [16] at 0 (kK4: fp16 dmin [16] at 32), then the groups' integer
+// scales [groups][16] at sc_offset (Q6_K: int8), then kK4's mins [8][16] at kMinOffset.
+constexpr int64_t sc_offset(int kind) { return kKinds[kind].scales == kK4 ? 64 : 32; }
+constexpr int64_t kMinOffset = 64 + 16 * 8;
 constexpr int64_t head_bytes(int kind) {  // the unit's scales (K kinds)
   return kKinds[kind].scales == kK4 ? 64 + 16 * 2 * 8 : kKinds[kind].scales == kK6 ? 32 + 16 * 16
                                                                                     : 0;
@@ -230,6 +234,12 @@ struct GroupRef {
       }
     }
   }
+  // A K kind's integer scale and min (kK4) of output o for this group.
+  int sc(int o) const {
+    const uint8_t v = unit[sc_offset(kind) + 16 * j + o];
+    return kKinds[kind].scales == kK4 ? v : static_cast<int8_t>(v);
+  }
+  int mn(int o) const { return unit[kMinOffset + 16 * j + o]; }
   // a and b of output o, exactly as the dequantization computes them (gguf_blocks.h).
   void scales(int o, float* a, float* b) const {
     *b = 0.f;
@@ -244,13 +254,13 @@ struct GroupRef {
       case kK4: {
         const float d = gb::half_to_float(unit + 2 * o);
         const float dmin = gb::half_to_float(unit + 32 + 2 * o);
-        *a = d * static_cast<float>(unit[64 + 16 * j + o]);
-        *b = -(dmin * static_cast<float>(unit[64 + 128 + 16 * j + o]));
+        *a = d * static_cast<float>(sc(o));
+        *b = -(dmin * static_cast<float>(mn(o)));
         return;
       }
       default: {
         const float d = gb::half_to_float(unit + 2 * o);
-        *a = d * static_cast<float>(static_cast<int8_t>(unit[32 + 16 * j + o]));
+        *a = d * static_cast<float>(sc(o));
         return;
       }
     }
@@ -282,10 +292,10 @@ inline void fill_panel_kind(const Format& f, const uint8_t* const* rows, int n0,
       for (int j = 0; j < ki.unit / G; ++j) {
         uint8_t* codes = unit + head_bytes(kind) + j * group_bytes(kind);
         if (ki.scales == kK4) {
-          unit[64 + 16 * j + o] = s.sc[j];
-          unit[64 + 128 + 16 * j + o] = s.mn[j];
+          unit[sc_offset(kind) + 16 * j + o] = s.sc[j];
+          unit[kMinOffset + 16 * j + o] = s.mn[j];
         } else if (ki.scales == kK6) {
-          unit[32 + 16 * j + o] = s.sc[j];
+          unit[sc_offset(kind) + 16 * j + o] = s.sc[j];
         } else {
           std::memcpy(codes + code_bytes(kind) + 2 * o, &s.d, 2);
           if (ki.scales == kHalfMin) std::memcpy(codes + code_bytes(kind) + 32 + 2 * o, &s.dmin, 2);

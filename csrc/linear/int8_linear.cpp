@@ -65,11 +65,11 @@ bool use_vnni() { return cpu_has_vnni() && current_isa() == Isa::kAvx512; }
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
 struct ActStore {
-  at::Tensor q, d, s16, xs32, h16, h32, qt;
+  at::Tensor q, d, s16, s32, xs32, qt;
   Acts view() const {
-    return {q.data_ptr<int8_t>(),   d.data_ptr<float>(),     s16.data_ptr<int32_t>(),
-            xs32.data_ptr<float>(), h16.data_ptr<int16_t>(), h32.data_ptr<int16_t>(),
-            q.size(1),              qt.defined() ? qt.data_ptr<int32_t>() : nullptr};
+    return {q.data_ptr<int8_t>(),    d.data_ptr<float>(), s16.data_ptr<int16_t>(),
+            s32.data_ptr<int16_t>(), xs32.data_ptr<float>(), q.size(1),
+            qt.defined() ? qt.data_ptr<int32_t>() : nullptr};
   }
 };
 
@@ -92,13 +92,12 @@ void tile_rows(ActStore& s) {
 // x [M, K] quantized per block of B values (32 or 256).
 ActStore quantize(const at::Tensor& x, int B) {
   const int64_t M = x.size(0), K = x.size(1), B32 = K / kXBlock;
-  const auto i32 = x.options().dtype(at::kInt), i16 = x.options().dtype(at::kShort);
+  const auto i16 = x.options().dtype(at::kShort);
   ActStore s{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, B32}, x.options()),
-             at::empty({M, 2 * B32}, i32),  at::empty({M, B32}, x.options()),
-             at::empty({M, 2 * B32}, i16),  at::empty({M, B32}, i16)};
-  const ActsOut out{s.q.data_ptr<int8_t>(),   s.d.data_ptr<float>(),
-                    s.s16.data_ptr<int32_t>(), s.xs32.data_ptr<float>(),
-                    s.h16.data_ptr<int16_t>(), s.h32.data_ptr<int16_t>()};
+             at::empty({M, 2 * B32}, i16), at::empty({M, B32}, i16),
+             at::empty({M, B32}, x.options())};
+  const ActsOut out{s.q.data_ptr<int8_t>(), s.d.data_ptr<float>(), s.s16.data_ptr<int16_t>(),
+                    s.s32.data_ptr<int16_t>(), s.xs32.data_ptr<float>()};
   const float* xp = x.data_ptr<float>();
   // Worth the pool from a few thousand blocks of 32 (a prefill step).
   const int64_t nblocks = M * K / B;
@@ -250,10 +249,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_matrix_superbloc
         d.data_ptr<float>()[n * (K / 256) + un] = gb::half_to_float(unit + 2 * o);
         if (k4) dmin.data_ptr<float>()[n * (K / 256) + un] = gb::half_to_float(unit + 32 + 2 * o);
         for (int i = 0; i < 16; ++i) {
-          const int j = i * 16 / ki.group;
-          sc.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] =
-              k4 ? unit[64 + 16 * j + o] : static_cast<int8_t>(unit[32 + 16 * j + o]);
-          if (k4) mn.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] = unit[192 + 16 * j + o];
+          const GroupRef gr{pi.kind, unit, i * 16 / ki.group};
+          sc.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] = gr.sc(o);
+          if (k4) mn.data_ptr<int32_t>()[n * (K / 16) + un * 16 + i] = gr.mn(o);
         }
       }
     }
