@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
+import subprocess
+import sysconfig
 
 from setuptools import setup
 
@@ -28,6 +31,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def _compiler_accepts(flag: str) -> bool:
+    """Whether the C++ compiler the build will use compiles an empty file with `flag`."""
+    cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    try:
+        done = subprocess.run([*cxx, flag, "-x", "c++", "-c", "-", "-o", os.devnull],
+                              input=b"int main() { return 0; }\n", capture_output=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def _cuda_available() -> bool:
@@ -50,6 +65,12 @@ def get_extensions():
     # -g0: Python's own CFLAGS carry -g, which made the .so 16 MB of debug info
     cxx = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     cxx += ["-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi"]
+    # NOTE: batch invariance (issue 23) needs every path of a kernel to fuse a * b + c the same
+    # way. GCC 13's generic tuning splits some FMA chains into a multiply and an add (its
+    # "avoid FMA chains"), in some loops and not others: built with GCC 13.3, chunked attention
+    # lost its bits, in the AVX2 and the AVX-512 kernels alike. Off, every contraction is kept.
+    if _compiler_accepts("--param=avoid-fma-max-bits=0"):
+        cxx.append("--param=avoid-fma-max-bits=0")
     # NOTE: no -march: the wheel must run on any x86-64. The wide kernels are compiled per ISA
     # through target attributes (csrc/common/isa.h) and picked at run time (cpuid).
     # csrc/bindings.cpp, csrc/common/*.cpp and one folder per op (csrc/<op>/*.cpp); csrc/cuda/

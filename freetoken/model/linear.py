@@ -263,7 +263,17 @@ def _onednn_available(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (weight.dtype != torch.bfloat16 or _onednn_bf16_supported())
     )
+
+
+@functools.cache
+def _onednn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's packed bf16 linear: it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT, and refuses the reorder otherwise (an AVX2-only Zen 3, say). There the
+    panels serve a bf16 weight at every row count."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
 
 
 def packing_available(weight: torch.Tensor) -> bool:

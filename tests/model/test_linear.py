@@ -14,6 +14,7 @@ from freetoken.engine.generate import build_forward_batch
 from freetoken.model.linear import (
     FEW_ROWS,
     Linear,
+    _onednn_bf16_supported,
     linear,
     pack_few_rows,
     pack_weight,
@@ -30,6 +31,9 @@ needs_packing = pytest.mark.skipif(
 needs_panels = pytest.mark.skipif(
     not ops.panel_linear_available(torch.empty(1)), reason="freetoken._C panels not available"
 )
+needs_onednn_bf16 = pytest.mark.skipif(
+    not packing_available(torch.empty(1)) or not _onednn_bf16_supported(),
+    reason="oneDNN's packed bf16 linear needs AVX512-BW/VL/DQ or AVX-NE-CONVERT")
 FORMS = ["auto", "onednn"]
 
 
@@ -55,7 +59,7 @@ def test_packed_linear_matches_f_linear_fp32(mode, rows, bias, ops_config):
     torch.testing.assert_close(linear(x3, packed, b), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
 
 
-@needs_packing
+@needs_onednn_bf16
 @pytest.mark.parametrize("mode", FORMS)
 @pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, FEW_ROWS + 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
@@ -74,6 +78,26 @@ def test_packed_linear_bf16(mode, rows, bias, ops_config):
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=0.1, rtol=0.02)
     if few is not None and rows <= FEW_ROWS:  # it is the panels' result, bitwise
         assert torch.equal(got, ops.panel_linear(x, few, b))
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, FEW_ROWS + 1, 40])
+def test_bf16_without_onednn_bf16_takes_the_panels(rows, ops_config, monkeypatch):
+    """On a CPU where oneDNN refuses bf16 (AVX2 only: its reorder raises), a bf16 weight is
+    packed as panels for every row count, with no second form, and gives F.linear's numbers;
+    with linear="onednn" (no panels) it stays a plain weight for F.linear."""
+    import freetoken.model.linear as lin
+
+    monkeypatch.setattr(lin, "_onednn_bf16_supported", lambda: False)
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    x = torch.randn(rows, 32, generator=g).bfloat16()
+    packed, few = pack_weight(w), pack_few_rows(w)
+    assert packed_form(packed) == "panels" and few is None
+    got = linear(x, packed, None, few)
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=0.1, rtol=0.02)
+    ops_config(linear="onednn")
+    assert not packing_available(w)
 
 
 @needs_packing
@@ -170,6 +194,7 @@ def test_smollm2_weights_stay_in_the_files_blocks(smollm2_path, smollm2_fp32, op
 
 
 @needs_panels
+@needs_onednn_bf16
 def test_bf16_model_uses_the_panels_for_few_rows(tiny_checkpoint, ops_config):
     from freetoken.loader import load_model
 
