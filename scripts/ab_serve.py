@@ -3,6 +3,7 @@
 
     python3 scripts/ab_serve.py --a /tmp/old-checkout --b . --reps 3
     python3 scripts/ab_serve.py --a . --b . --b-args --linear panels     # one tree, two settings
+    python3 scripts/ab_serve.py --a /tmp/old --b . --both-args "--compute int8" --model M.gguf
 
 Each tree is served as `python -m freetoken` with that tree first on PYTHONPATH (build its
 extension in place first: `python setup.py build_ext --inplace`, or copy a built
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n", 2)[2])
     ap.add_argument("--a", required=True, help="source tree A (the baseline)")
     ap.add_argument("--b", required=True, help="source tree B")
+    ap.add_argument("--both-args", default="",
+                    help='server arguments for both trees, one string ("--compute int8")')
     ap.add_argument("--a-args", nargs=argparse.REMAINDER, default=[])
     ap.add_argument("--b-args", nargs=argparse.REMAINDER, default=[])
     ap.add_argument("--workloads", nargs="+", default=["classify", "decode", "decode-1"])
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.logdir, exist_ok=True)
     n_for = {"classify": 200, "classify-multi": 200, "decode": 16, "decode-1": 2}
-    sides = [("A", args.a, args.a_args), ("B", args.b, args.b_args)]
+    both = shlex.split(args.both_args)
+    sides = [("A", args.a, both + args.a_args), ("B", args.b, both + args.b_args)]
     got: dict = {}
     for wl in args.workloads:
         key = "requests_per_s" if wl.startswith("classify") else "output_tokens_per_s"

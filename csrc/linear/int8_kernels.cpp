@@ -396,9 +396,12 @@ FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, con
 
 // --- the AVX2 kernel (CPUs without AVX512-VNNI) -----------------------------------------------
 // The same layout and arithmetic with 8-lane vectors: a panel is two halves of 8 outputs, and
-// each 4-code step is vpmaddubsw (u8 x s8 -> pairs of int16) then vpmaddwd by ones (-> int32).
-// No pair can saturate: codes <= 63 give |pair| <= 16002, and Q8_0's biased codes are unbiased
-// first, its products taken as |q| x sign(q) * x (|pair| <= 32512), which sums to P directly.
+// each 4-code step is vpmaddubsw (u8 x s8 -> pairs of int16). The pairs of several steps are
+// summed in int16 and widened once by vpmaddwd by ones (-> int32): both multiplies take the
+// same two ports (Zen 3), so this does 1 + 1 / n of them a step instead of 2. Exact: x is in
+// [-127, 127] (|x| <= 128 at worst), so a pair is at most 2 * 128 * max_code and n steps of
+// them stay under 2^15 while n * max_code <= 127 (int16_steps). Q8_0's biased codes are unbiased
+// first, its products taken as |q| x sign(q) * x (|pair| <= 32768 - 256): one step at a time.
 FT_TARGET_AVX2 FT_INLINE __m256 no_contract256(__m256 v) {
   asm("" : "+x"(v));
   return v;
@@ -414,26 +417,12 @@ FT_TARGET_AVX2 FT_INLINE __m256i load_half(const uint8_t* p, int h) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
 }
 
-// One step: 4 codes of each output (halves lo8, hi8) times the 4 x at xk + m * ldx, row m.
-template <int MR>
-FT_TARGET_AVX2 FT_INLINE void step_avx2(__m256i (&P)[MR][2], __m256i lo8, __m256i hi8,
-                                        bool signed_codes, const int8_t* xk, int64_t ldx) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i cv[2] = {lo8, hi8}, sg[2] = {lo8, hi8};
-  if (signed_codes) {
-    for (int h = 0; h < 2; ++h) {
-      sg[h] = _mm256_xor_si256(cv[h], _mm256_set1_epi8(static_cast<char>(0x80)));  // u - 128
-      cv[h] = _mm256_abs_epi8(sg[h]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    const __m256i xv = bcast4_256(xk + m * ldx);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i xs = signed_codes ? _mm256_sign_epi8(xv, sg[h]) : xv;
-      P[m][h] = _mm256_add_epi32(P[m][h],
-                                 _mm256_madd_epi16(_mm256_maddubs_epi16(cv[h], xs), ones));
-    }
-  }
+// Steps of a kind's unsigned codes whose int16 pair sums cannot overflow (the comment above):
+// 4-bit codes 8 (a whole group), 5-bit (Q5_0, Q5_1, Q5_K) 4, 6-bit (Q6_K) 2.
+template <int KIND>
+constexpr int int16_steps() {
+  constexpr int max_code = kKinds[KIND].codes == kNib ? 15 : kKinds[KIND].codes == kByte ? 31 : 63;
+  return 127 / max_code >= 8 ? 8 : 127 / max_code >= 4 ? 4 : 2;
 }
 
 // Half h (outputs 8 h .. 8 h + 7) of groups 2 p and 2 p + 1 of a unit's 8-bit numbers (at g) as
@@ -445,19 +434,31 @@ FT_TARGET_AVX2 FT_INLINE __m256i group_pairs_avx2(const uint8_t* g, int p, int h
   return is_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
 }
 
-// Rows [m0, m0 + MR) against one panel; acc_out [MR][16]. A K-quant's groups are summed in
-// integer over its superblock (as panel_rows_vnni_k), the rest scaled a group at a time.
-template <int MR, int KIND>
+// Half h of a group's 8-bit scales (at sc) with each output's scale in both int16 of its lane:
+// vpmaddwd of the group's int16 pair sums by it is the group's integer dot times its scale.
+FT_TARGET_AVX2 FT_INLINE __m256i scale_pairs_avx2(const uint8_t* sc, int h, bool is_signed) {
+  const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h));
+  const __m128i twice = _mm_unpacklo_epi8(s8, s8);
+  return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
+}
+
+// Rows [m0, m0 + MR) against one panel; acc_out [MR][16]. A 4-code step is vpmaddubsw per row
+// and half onto int16 sums Q, widened every int16_steps steps by vpmaddwd: by ones into the
+// group's int32 sums P, or, for a K-quant, by the group's scale pairs straight into the
+// superblock's sum I (sc * P, no vpmulld). SIGNED: Q8_0's codes, one step at a time.
+template <int MR, int KIND, bool SIGNED>
 FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
   constexpr int G = ki.group, PER = ki.unit / G;
   constexpr bool kq = ki.unit == 256, k4 = ki.scales == kK4;
-  const bool signed_codes = c == 128;  // Q8_0: products of the unbiased codes
+  constexpr int n16 = SIGNED ? 1 : int16_steps<KIND>();
+  static_assert(!SIGNED || (KIND == kByte32 && !kq), "only Q8_0's codes are signed");
   const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
+  const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
     const uint8_t* sc = unit + sc_offset(KIND);  // K-quants: [PER][16] (Q6_K: int8)
@@ -466,50 +467,72 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
     for (int j = 0; j < PER; ++j) {
       const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
       const int64_t k0 = u * ki.unit + j * G;
-      __m256i P[MR][2];
-      for (int m = 0; m < MR; ++m) {
-        int32_t init = 0;
-        if (!kq && !has_min(KIND) && !signed_codes) init = -c * x.s32[(m0 + m) * ld32 + k0 / 32];
-        P[m][0] = P[m][1] = _mm256_set1_epi32(init);
-      }
       const int8_t* xk = x.q + m0 * x.K + k0;
+      __m256i sc16[2], P[MR][2], Q[MR][2];
+      if constexpr (kq) {
+        for (int h = 0; h < 2; ++h) sc16[h] = scale_pairs_avx2(sc + 16 * j, h, !k4);
+      } else {
+        for (int m = 0; m < MR; ++m) {
+          int32_t init = 0;
+          if (!has_min(KIND) && !SIGNED) init = -c * x.s32[(m0 + m) * ld32 + k0 / 32];
+          P[m][0] = P[m][1] = _mm256_set1_epi32(init);
+        }
+      }
+      int steps = 0;
+      // One step: 4 codes of each output (halves cv) times the 4 x at k0 + dk of each row.
+      const auto step = [&](__m256i lo8, __m256i hi8, int dk) FT_TARGET_AVX2 __attribute__((always_inline)) {
+        __m256i cv[2] = {lo8, hi8}, sg[2] = {lo8, hi8};
+        if constexpr (SIGNED) {
+          for (int h = 0; h < 2; ++h) {
+            sg[h] = _mm256_xor_si256(cv[h], bias);  // u - 128
+            cv[h] = _mm256_abs_epi8(sg[h]);
+          }
+        }
+        const bool first = steps % n16 == 0;  // of the steps Q sums (known once unrolled)
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xv = bcast4_256(xk + m * x.K + dk);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i xs = SIGNED ? _mm256_sign_epi8(xv, sg[h]) : xv;
+            const __m256i pairs = _mm256_maddubs_epi16(cv[h], xs);
+            Q[m][h] = first ? pairs : _mm256_add_epi16(Q[m][h], pairs);
+          }
+        }
+        if (++steps % n16 != 0) return;
+        for (int m = 0; m < MR; ++m)
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (kq) {
+              I[m][h] = _mm256_add_epi32(I[m][h], _mm256_madd_epi16(Q[m][h], sc16[h]));
+            } else {
+              P[m][h] = _mm256_add_epi32(P[m][h], _mm256_madd_epi16(Q[m][h], ones));
+            }
+          }
+      };
       if constexpr (ki.codes == kNib) {
         for (int t = 0; t < 4; ++t) {
           const __m256i v0 = load_half(codes + 64 * t, 0), v1 = load_half(codes + 64 * t, 1);
-          step_avx2<MR>(P, _mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), signed_codes,
-                        xk + 4 * t, x.K);
-          step_avx2<MR>(P, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), signed_codes,
-                        xk + 16 + 4 * t, x.K);
+          step(_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4), 4 * t);
+          step(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+               _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), 16 + 4 * t);
         }
       } else if constexpr (ki.codes == kByte) {
-        for (int s = 0; s < G / 4; ++s)
-          step_avx2<MR>(P, load_half(codes + 64 * s, 0), load_half(codes + 64 * s, 1),
-                        signed_codes, xk + 4 * s, x.K);
+        for (int t = 0; t < G / 4; ++t)
+          step(load_half(codes + 64 * t, 0), load_half(codes + 64 * t, 1), 4 * t);
       } else {
-        for (int s = 0; s < 4; ++s) {
+        for (int t = 0; t < 4; ++t) {
           __m256i v[2];
           for (int h = 0; h < 2; ++h) {
-            const __m256i n = load_half(codes + 64 * (s & 1), h), pl = load_half(codes + 128, h);
-            const __m256i lo = s < 2 ? _mm256_and_si256(n, low4)
+            const __m256i n = load_half(codes + 64 * (t & 1), h), pl = load_half(codes + 128, h);
+            const __m256i lo = t < 2 ? _mm256_and_si256(n, low4)
                                      : _mm256_and_si256(_mm256_srli_epi16(n, 4), low4);
-            const __m256i top = s == 0 ? _mm256_slli_epi16(pl, 4)
-                                : s == 1 ? _mm256_slli_epi16(pl, 2)
-                                : s == 2 ? pl : _mm256_srli_epi16(pl, 2);
+            const __m256i top = t == 0 ? _mm256_slli_epi16(pl, 4)
+                                : t == 1 ? _mm256_slli_epi16(pl, 2)
+                                : t == 2 ? pl : _mm256_srli_epi16(pl, 2);
             v[h] = _mm256_or_si256(lo, _mm256_and_si256(top, hi2));
           }
-          step_avx2<MR>(P, v[0], v[1], signed_codes, xk + 4 * s, x.K);
+          step(v[0], v[1], 4 * t);
         }
       }
-      if constexpr (kq) {
-        for (int h = 0; h < 2; ++h) {
-          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * j + 8 * h));
-          const __m256i scv = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
-          for (int m = 0; m < MR; ++m)
-            I[m][h] = _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(P[m][h], scv));
-        }
-        continue;
-      }
+      if constexpr (kq) continue;
       for (int h = 0; h < 2; ++h) {
         const uint8_t* sp = codes + code_bytes(KIND);
         const __m256 a =
@@ -568,7 +591,7 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_out + m * kPanel + 8 * h, acc[m][h]);
 }
 
-template <int KIND>
+template <int KIND, bool SIGNED>
 FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
   alignas(32) float acc[2 * kPanel];
@@ -576,9 +599,9 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
   for (int64_t m0 = 0; m0 < M; m0 += 2) {
     const int mr = static_cast<int>(std::min<int64_t>(2, M - m0));
     if (mr == 2) {
-      panel_rows_avx2<2, KIND>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
     } else {
-      panel_rows_avx2<1, KIND>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<1, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
     }
     store_rows(acc, mr, m0, pi, y, N, bias);
   }
@@ -586,8 +609,9 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
 
 FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                    int64_t M, float* y, int64_t N, const float* bias) {
+  if (pi.kind == kByte32 && pi.c == 128) return panel_avx2<kByte32, true>(data, pi, x, M, y, N, bias);
   with_kind(pi.kind, [&](auto kind) {
-    panel_avx2<decltype(kind)::value>(data, pi, x, M, y, N, bias);
+    panel_avx2<decltype(kind)::value, false>(data, pi, x, M, y, N, bias);
   });
 }
 

@@ -185,6 +185,33 @@ def test_products_are_the_reference_bits_in_every_batch(isa, type_):
             assert torch.equal(part, y[first:first + rows_in_step]), (rows_in_step, first)
 
 
+# Where each format's fp16 scales lie in its block (set finite below; 0xFF bytes elsewhere).
+FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("type_", INT8_TYPES)
+def test_the_largest_sums_are_exact(isa, type_):
+    """The integer sums at their bounds: every code at its largest (Q8_0: -128) against x
+    quantized to +-127 everywhere, in every row count the loops tile. The AVX2 loop sums several
+    steps' pairs in int16 before widening them; this is where they would overflow."""
+    k = k_for(type_, 8 if block_of(type_) < 256 else 2)
+    rows = random_rows(type_, 21, k, seed=9)
+    blocks = rows.reshape(21, k // block_of(type_), -1)
+    blocks[:] = 0x80 if type_ == "Q8_0" else 0xFF
+    for at in FP16_AT[type_]:
+        blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20  # 2^-7
+    weight, _ = int8_matrix([(type_, rows)], k)
+    x = torch.ones(13, k)
+    x[1::2] = -1
+    x[4, : k // 4] = -1
+    y = ops.panel_linear(x, weight)
+    np.testing.assert_array_equal(y.numpy(), reference(x.numpy(), weight, type_))
+    assert y.abs().min() > 0  # not a cancelled sum: the bounds were reached
+    for m in (1, 2, 3, 12):
+        assert torch.equal(ops.panel_linear(x[:m].contiguous(), weight), y[:m]), m
+
+
 def test_fused_segments_of_mixed_types_and_odd_sizes():
     """q | k | v as a Q4_K_M file lays them out (Q4_K, Q4_K, Q6_K), segments not multiples of
     16 outputs; a legacy pair; and a K-quant beside a legacy format, where x is quantized per
