@@ -594,11 +594,18 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
 template <int KIND, bool SIGNED>
 FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
-  alignas(32) float acc[2 * kPanel];
+  // 4-bit codes take 4 rows a tile, sharing each step's decode (Q4_K at 224 rows: 0.84x the
+  // time of 2 rows); the wider codes keep 2, whose sums already fill the 16 registers.
+  constexpr int kRows = kKinds[KIND].codes == kNib ? 4 : 2;
+  alignas(32) float acc[4 * kPanel];
   const int64_t units = x.K / kKinds[KIND].unit;
-  for (int64_t m0 = 0; m0 < M; m0 += 2) {
-    const int mr = static_cast<int>(std::min<int64_t>(2, M - m0));
-    if (mr == 2) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    if (mr == 4) {
+      panel_rows_avx2<kRows == 4 ? 4 : 2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+    } else if (mr == 3) {
+      panel_rows_avx2<kRows == 4 ? 3 : 2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+    } else if (mr == 2) {
       panel_rows_avx2<2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
     } else {
       panel_rows_avx2<1, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
