@@ -480,7 +480,8 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
       }
       int steps = 0;
       // One step: 4 codes of each output (halves cv) times the 4 x at k0 + dk of each row.
-      const auto step = [&](__m256i lo8, __m256i hi8, int dk) FT_TARGET_AVX2 __attribute__((always_inline)) {
+      const auto step = [&](__m256i lo8, __m256i hi8,
+                            int dk) FT_TARGET_AVX2 __attribute__((always_inline)) {
         __m256i cv[2] = {lo8, hi8}, sg[2] = {lo8, hi8};
         if constexpr (SIGNED) {
           for (int h = 0; h < 2; ++h) {
@@ -616,7 +617,8 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
 
 FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                    int64_t M, float* y, int64_t N, const float* bias) {
-  if (pi.kind == kByte32 && pi.c == 128) return panel_avx2<kByte32, true>(data, pi, x, M, y, N, bias);
+  if (pi.kind == kByte32 && pi.c == 128)  // Q8_0
+    return panel_avx2<kByte32, true>(data, pi, x, M, y, N, bias);
   with_kind(pi.kind, [&](auto kind) {
     panel_avx2<decltype(kind)::value, false>(data, pi, x, M, y, N, bias);
   });
