@@ -132,7 +132,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni_available", &freetoken::int8_vnni_available,
         "True when this CPU runs the int8 VNNI kernel");
   m.def("int8_peak_gops", &freetoken::int8_peak_gops,
-        "the int8 bound: GOP/s of threads x iters rounds of 12 register vpdpbusd (benchmarks)",
+        "the int8 bound: GOP/s of threads x iters rounds of register vpdpbusd (VNNI) or "
+        "vpmaddubsw + vpaddw (AVX2), the loop the int8 kernel runs (benchmarks)",
         kNoGil, py::arg("iters"), py::arg("threads"));
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));

@@ -6,7 +6,7 @@ when every matrix is one of those types) and, with --int8, the int8 compute mode
 (ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
 matrices called once per step, in order, so each weight comes from DRAM as in a forward. The
 forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time (int8:
-integer ops); with --int8 the int8 bound is measured first (the machine's vpdpbusd rate on
+integer ops); with --int8 the int8 bound is measured first (the int8 loop's instructions on
 registers, --threads threads, best of 5) and each int8 rate is also given as its fraction.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
@@ -84,7 +84,8 @@ def main() -> None:
     bound = None
     if args.int8:
         bound = max(ops.int8_peak_gops(2_000_000, args.threads) for _ in range(5))
-        print(f"int8 bound: {bound:.0f} GOP/s ({args.threads} threads of register vpdpbusd)")
+        print(f"int8 bound: {bound:.0f} GOP/s ({args.threads} threads of register "
+              f"{ops.int8_bound_loop()})")
     forms = load_forms(path, args.layers, not args.no_panels, args.int8)
     names = ["in_place"] + ([] if args.no_panels else ["panels"]) \
         + (["block_panels"] if all("block_panels" in f for f in forms) else []) \

@@ -125,10 +125,11 @@ BW_READ = [20e9]  # set from the measurement before linear_variants runs
 
 def int8_gops_peak(threads: int) -> float | None:
     """The int8 compute bound (GOP/s, 2 a product): the best of 5 rounds of register-only
-    vpdpbusd on `threads` threads (ops.int8_peak_gops); None without AVX512-VNNI."""
+    products in the int8 loop's instructions on `threads` threads (ops.int8_peak_gops: vpdpbusd
+    with AVX512-VNNI, else vpmaddubsw + vpaddw); None where the portable loop runs."""
     from freetoken import ops
 
-    if not ops.int8_vnni_available():
+    if ops.int8_bound_loop() is None:
         return None
     return max(ops.int8_peak_gops(2_000_000, threads) for _ in range(5))
 
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+
+    from freetoken import ops
     torch.set_num_threads(args.threads)
     s = model_shape(args.model or default_gguf())
     prompt, computed, source = args.prompt_tokens, args.computed_tokens, "argument"
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         print(json.dumps({"threads": args.threads, "gemm_gflops": g,
                           "gemm_gflops_peak_fp32": peak, "int8_gops_peak": int8_peak,
-                          "bandwidth": bw}))
+                          "int8_bound_loop": ops.int8_bound_loop(), "bandwidth": bw}))
         return 0
     try:  # reported next to the fp32 rates, not part of the peak
         g["square_2048_bf16"] = gemm_gflops(2048, 2048, 2048, torch.bfloat16)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "threads": args.threads, "model": {k: v for k, v in s.items() if k != "step_tensors"},
         "gemm_gflops": g, "gemm_gflops_peak_fp32": peak, "int8_gops_peak": int8_peak,
-        "bandwidth": bw,
+        "int8_bound_loop": ops.int8_bound_loop(), "bandwidth": bw,
         "classify": {"prompt_tokens": prompt, "computed_tokens_per_request": computed,
                      "computed_tokens_source": source,
                      "gflop_per_request": fl_req / 1e9,

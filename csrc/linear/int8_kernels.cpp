@@ -659,6 +659,37 @@ FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
         "xmm10", "xmm11", "xmm12", "xmm13", "cc");
   return 0;
 }
+
+// The bound without VNNI: 6 independent vpmaddubsw (32 products each) summed by vpaddw into 6
+// register accumulators. No AVX2 int8 product loop does less per product: every one needs the
+// multiply and at least an int16 add (the kernel also widens and scales).
+FT_TARGET_AVX2 __attribute__((noinline)) int32_t avx2_int8_chains(int64_t iters) {
+  if (iters <= 0) return 0;
+  asm volatile(
+      "vpcmpeqb %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vpabsb %%ymm0, %%ymm1\n\t"
+      "1:\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm2\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm3\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm4\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm5\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm6\n\t"
+      "vpmaddubsw %%ymm1, %%ymm0, %%ymm7\n\t"
+      "vpaddw %%ymm2, %%ymm8, %%ymm8\n\t"
+      "vpaddw %%ymm3, %%ymm9, %%ymm9\n\t"
+      "vpaddw %%ymm4, %%ymm10, %%ymm10\n\t"
+      "vpaddw %%ymm5, %%ymm11, %%ymm11\n\t"
+      "vpaddw %%ymm6, %%ymm12, %%ymm12\n\t"
+      "vpaddw %%ymm7, %%ymm13, %%ymm13\n\t"
+      "dec %0\n\t"
+      "jnz 1b\n\t"
+      "vzeroupper\n\t"
+      : "+r"(iters)
+      :
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+        "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+  return 0;
+}
 #endif
 
 bool cpu_has_vnni() {

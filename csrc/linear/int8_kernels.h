@@ -88,6 +88,8 @@ void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
 
 // 12 independent register vpdpbusd chains, `iters` rounds (int8_peak_gops); returns 0.
 int32_t vnni_chains(int64_t iters);
+// 6 independent register vpmaddubsw + vpaddw pairs (32 products each), `iters` rounds; returns 0.
+int32_t avx2_int8_chains(int64_t iters);
 
 // True when the CPU has AVX512-VNNI (and BW, VL).
 bool cpu_has_vnni();

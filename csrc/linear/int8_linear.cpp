@@ -311,13 +311,17 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 double int8_peak_gops(int64_t iters, int64_t threads) {
-  TORCH_CHECK_VALUE(cpu_has_vnni(), "int8_peak_gops: this CPU has no AVX512-VNNI");
+  const bool vnni = use_vnni(), avx2 = use_avx2();
+  TORCH_CHECK_VALUE(vnni || avx2, "int8_peak_gops: the portable int8 loop is in use (no AVX512-VNNI or AVX2)");
 #if FT_HAS_ISA_VARIANTS
   const auto t0 = std::chrono::steady_clock::now();
-  TaskPool::get().run(threads, static_cast<int>(threads),
-                      [&](int64_t) { vnni_chains(iters); });
+  TaskPool::get().run(threads, static_cast<int>(threads), [&](int64_t) {
+    if (vnni) vnni_chains(iters);
+    else avx2_int8_chains(iters);
+  });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return 2.0 * 64 * 12 * static_cast<double>(iters) * threads / s / 1e9;
+  const double products = vnni ? 64.0 * 12 : 32.0 * 6;  // a round's
+  return 2.0 * products * static_cast<double>(iters) * threads / s / 1e9;
 #else
   return 0;
 #endif

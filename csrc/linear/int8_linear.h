@@ -53,7 +53,8 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
 bool int8_vnni_available();
 
 // The int8 compute bound: giga int8 operations (2 a product) a second of `threads` threads each
-// running `iters` rounds of 12 independent vpdpbusd on registers (benchmarks; needs VNNI).
+// running `iters` rounds of register-only products in the instructions of the loop the kernel
+// runs: 12 vpdpbusd (AVX512-VNNI), else 6 vpmaddubsw + vpaddw (AVX2) (benchmarks).
 double int8_peak_gops(int64_t iters, int64_t threads);
 
 }  // namespace freetoken

@@ -10,6 +10,7 @@ a group at a time, or for a K-quant a superblock at a time after its groups' int
     int8_matrix_superblocks(weight) -> (d, dmin, sc, mn): a K-quant's own numbers
     int8_quantize_rows(x, block=32) -> (q int8 [M, K], d fp32 [M, K / 32])
     int8_vnni_available() -> bool;  int8_peak_gops(iters, threads) -> the int8 bound (benchmarks)
+    int8_bound_loop() -> the instructions that bound times
 
 No torch twin: the mode needs the extension (the exact mode is the default everywhere). Not the
 choice of mode (freetoken/model/linear.py) nor the exact kernels (gguf.py, linear.py).
@@ -82,8 +83,20 @@ def int8_vnni_available() -> bool:
 
 def int8_peak_gops(iters: int, threads: int) -> float:
     """The machine's int8 bound for benchmarks: GOP/s (2 a product) of `threads` threads each
-    running `iters` rounds of 12 independent vpdpbusd on registers. Needs AVX512-VNNI."""
+    running `iters` rounds of register-only products in the instructions of the int8 loop in use
+    (int8_bound_loop names them). Needs AVX512-VNNI or AVX2."""
     from freetoken.ops.backend import require_ext
 
     require_ext("int8_peak_gops")
     return _C.int8_peak_gops(int(iters), int(threads))
+
+
+def int8_bound_loop() -> str | None:
+    """The instructions int8_peak_gops times, those of the int8 loop that runs on this CPU at
+    the ISA in use: 'vpdpbusd (AVX512-VNNI)', 'vpmaddubsw+vpaddw (AVX2)', or None (portable)."""
+    from freetoken.ops.backend import cpu_isa
+
+    isa = cpu_isa()
+    if isa == "avx512" and int8_vnni_available():
+        return "vpdpbusd (AVX512-VNNI)"
+    return "vpmaddubsw+vpaddw (AVX2)" if isa in ("avx512", "avx2") else None

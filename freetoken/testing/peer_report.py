@@ -344,7 +344,8 @@ class Report:
         if wl == "classify" and b.get("int8_gops_peak"):
             bound = b["int8_gops_peak"] / b["classify"]["gflop_per_request"]
             rows.append((wl, f"FreeToken int8 / int8 compute bound of the tokens it computed "
-                         f"({bound:.1f} req/s: the machine's vpdpbusd rate, "
+                         f"({bound:.1f} req/s: the machine's "
+                         f"{b.get('int8_bound_loop') or 'vpdpbusd (AVX512-VNNI)'} rate, "
                          f"{b['int8_gops_peak']:.0f} GOP/s)", v / bound))
         elif wl in STREAMS and INT8 in b["decode"]["bytes"]:
             # NOTE: the best read bandwidth measured in the run (before each fp32 rep, and

@@ -285,3 +285,17 @@ def test_non_finite_input_gives_nan_rows_and_bad_input_is_refused(isa):
         ops.int8_matrix(base, torch.zeros(2, dtype=torch.int64), ["F16"], [2], 64)
     with pytest.raises(ValueError, match="outside base"):
         ops.int8_matrix(base, torch.tensor([0, 990]), ["Q8_0"], [2], 64)
+
+
+def test_the_int8_bound_times_the_loop_in_use(isa):
+    """The benchmarks' int8 bound (scripts/compute_bound.py) runs the instructions of the loop
+    that this ISA variant runs, and none where the portable loop runs."""
+    loop = ops.int8_bound_loop()
+    if isa == "base":
+        assert loop is None
+        with pytest.raises(ValueError, match="portable int8 loop"):
+            ops.int8_peak_gops(1000, 1)
+        return
+    vnni = isa == "avx512" and ops.int8_vnni_available()
+    assert loop == ("vpdpbusd (AVX512-VNNI)" if vnni else "vpmaddubsw+vpaddw (AVX2)")
+    assert ops.int8_peak_gops(20_000, 1) > 0
