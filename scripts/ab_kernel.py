@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""A/B of the GGUF-block panel linear (ops.pack_gguf_panels + ops.panel_linear), or of the int8
-mode's matrix (ops.int8_matrix, --form int8), across source trees: one worker process per tree
+"""A/B of the GGUF-block panel linear (ops.pack_gguf_panels + ops.panel_linear), of the int8
+mode's matrix (ops.int8_matrix, --form int8) or of the blocks in place (ops.gguf_matrix, --form
+gguf: the exact mode's form of a K-quant file), across source trees: one worker process per tree
 holds the same random matrices, and the workers take turns in short bursts of calls,
 round-robin, so the drift of this shared machine hits all alike. Prints each case's medians, as
 times and as ratios to the first tree, then one JSON line.
@@ -45,19 +46,22 @@ for _ in range(copies):
     blocks = raw.view(n, k // values, src)
     for h in halves:
         blocks[:, :, h], blocks[:, :, h + 1] = 0, 0x20
+    offsets = torch.arange(n, dtype=torch.int64) * raw.shape[1]
     if form == "int8":
-        offsets = torch.arange(n, dtype=torch.int64) * raw.shape[1]
         mats.append(ops.int8_matrix(raw.view(-1), offsets, [typ], [n], k))
+    elif form == "gguf":  # the blocks in place: the descriptor holds raw's addresses
+        mats.append((raw, ops.gguf_matrix(raw.view(-1), offsets, [typ], [n], k)))
     else:
         mats.append(ops.pack_gguf_panels(raw, typ, k))
+weights = [m[1] if isinstance(m, tuple) else m for m in mats]
 x = torch.randn(rows, k, generator=g)
-print(json.dumps(ops.panel_linear(x, mats[0])[0, :2].tolist()), flush=True)
+print(json.dumps(ops.panel_linear(x, weights[0])[0, :2].tolist()), flush=True)
 for line in sys.stdin:
     threads, where, calls = line.split()
     torch.set_num_threads(int(threads))
     times = []
     for i in range(int(calls)):
-        w = mats[i % copies] if where == "cold" else mats[0]
+        w = weights[i % copies] if where == "cold" else weights[0]
         t0 = time.perf_counter()
         ops.panel_linear(x, w)
         times.append(time.perf_counter() - t0)
@@ -71,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n", 2)[2])
     ap.add_argument("trees", nargs="+", help="LABEL=PATH, the first is the baseline")
     ap.add_argument("--type", default="Q8_0", choices=["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-    ap.add_argument("--form", default="panels", choices=["panels", "int8"],
-                    help="GGUF-block panels (Q4_1 / Q8_0) or the int8 mode's matrix")
+    ap.add_argument("--form", default="panels", choices=["panels", "int8", "gguf"],
+                    help="GGUF-block panels (Q4_1 / Q8_0), the int8 mode's matrix or the "
+                         "blocks in place")
     ap.add_argument("--n", type=int, default=49152, help="output features")
     ap.add_argument("--k", type=int, default=576, help="input features (a multiple of 32)")
     ap.add_argument("--rows", type=int, default=1)

@@ -678,19 +678,19 @@ FT_INLINE void micro_kernel(const float* x, int64_t K, const float* w, int64_t l
       for (int v = 0; v < V; ++v)
         a[m][n][v] = first ? vf{} : loadu<L>(acc + (m * kTile + n) * 16 + v * L);
   for (int k = 0; k < kv; ++k) {
-    vf wv[NR][V];
+    // a vector of the 16 lanes at a time (AVX2: a half): its NR weight vectors, then each row's
+    // x (all V x NR weights at once took 4 registers more: AVX2's 3 x 2 tile would spill)
 #pragma GCC unroll 64
-    for (int n = 0; n < NR; ++n)
+    for (int v = 0; v < V; ++v) {
+      vf wv[NR];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v)
-        wv[n][v] = vec::in_register(loadu<L>(w + n * ldw + 16 * k + v * L));
+      for (int n = 0; n < NR; ++n)
+        wv[n] = vec::in_register(loadu<L>(w + n * ldw + 16 * k + v * L));
 #pragma GCC unroll 64
-    for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) {
+      for (int m = 0; m < MR; ++m) {
         const vf xv = vec::in_register(loadu<L>(x + m * K + 16 * k + v * L));
 #pragma GCC unroll 64
-        for (int n = 0; n < NR; ++n) a[m][n][v] = fma<L>(wv[n][v], xv, a[m][n][v]);
+        for (int n = 0; n < NR; ++n) a[m][n][v] = fma<L>(wv[n], xv, a[m][n][v]);
       }
     }
   }
@@ -702,11 +702,13 @@ FT_INLINE void micro_kernel(const float* x, int64_t K, const float* w, int64_t l
       for (int v = 0; v < V; ++v) storeu<L>(acc + (m * kTile + n) * 16 + v * L, a[m][n][v]);
 }
 
-// Register tiles: AVX-512 3 rows x 4 outputs; AVX2 (two vectors an output) 2 x 2 in its 16
-// registers; baseline (four) 1 x 1. NOTE: measured, not derived: on this project's Zen 5 the
-// 3 x 4 tile ran at 205-245 GF/s a core, 6 x 4 (24 accumulators) at 145-180, 2 x 8 at ~205.
+// Register tiles: AVX-512 3 rows x 4 outputs; AVX2 (two vectors an output) 3 x 2, 12 of its 16
+// registers, the other 4 the half-lane weights and x of one step (micro_kernel); baseline (four)
+// 1 x 1. NOTE: measured, not derived: on this project's Zen 5 the 3 x 4 tile ran at 205-245
+// GF/s a core, 6 x 4 (24 accumulators) at 145-180, 2 x 8 at ~205; on a Zen 3 (AVX2) 3 x 2 took
+// 0.91-0.97x the time of 2 x 2 (1B-shaped Q4_K, 8-224 rows: 10 loads for 12 FMAs, not 8 for 8).
 template <int L>
-constexpr int many_mr() { return L == 16 ? 3 : L == 8 ? 2 : 1; }
+constexpr int many_mr() { return L == 16 ? 3 : L == 8 ? 3 : 1; }
 template <int L>
 constexpr int many_nr() { return L == 16 ? 4 : L == 8 ? 2 : 1; }
 
