@@ -312,7 +312,8 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
 
 double int8_peak_gops(int64_t iters, int64_t threads) {
   const bool vnni = use_vnni(), avx2 = use_avx2();
-  TORCH_CHECK_VALUE(vnni || avx2, "int8_peak_gops: the portable int8 loop is in use (no AVX512-VNNI or AVX2)");
+  TORCH_CHECK_VALUE(vnni || avx2,
+                    "int8_peak_gops: the portable int8 loop is in use (no AVX512-VNNI or AVX2)");
 #if FT_HAS_ISA_VARIANTS
   const auto t0 = std::chrono::steady_clock::now();
   TaskPool::get().run(threads, static_cast<int>(threads), [&](int64_t) {
