@@ -40,7 +40,7 @@ values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
                        "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
                        "Q6_K": (256, 210, (208,))}[typ]
 g = torch.Generator().manual_seed(0)
-mats = []
+mats, blocks_alive = [], []  # a gguf descriptor holds its blocks' addresses
 for _ in range(copies):
     raw = torch.randint(0, 256, (n, k // values * src), dtype=torch.uint8, generator=g)
     blocks = raw.view(n, k // values, src)
@@ -49,19 +49,19 @@ for _ in range(copies):
     offsets = torch.arange(n, dtype=torch.int64) * raw.shape[1]
     if form == "int8":
         mats.append(ops.int8_matrix(raw.view(-1), offsets, [typ], [n], k))
-    elif form == "gguf":  # the blocks in place: the descriptor holds raw's addresses
-        mats.append((raw, ops.gguf_matrix(raw.view(-1), offsets, [typ], [n], k)))
+    elif form == "gguf":  # the blocks in place
+        blocks_alive.append(raw)
+        mats.append(ops.gguf_matrix(raw.view(-1), offsets, [typ], [n], k))
     else:
         mats.append(ops.pack_gguf_panels(raw, typ, k))
-weights = [m[1] if isinstance(m, tuple) else m for m in mats]
 x = torch.randn(rows, k, generator=g)
-print(json.dumps(ops.panel_linear(x, weights[0])[0, :2].tolist()), flush=True)
+print(json.dumps(ops.panel_linear(x, mats[0])[0, :2].tolist()), flush=True)
 for line in sys.stdin:
     threads, where, calls = line.split()
     torch.set_num_threads(int(threads))
     times = []
     for i in range(int(calls)):
-        w = weights[i % copies] if where == "cold" else weights[0]
+        w = mats[i % copies] if where == "cold" else mats[0]
         t0 = time.perf_counter()
         ops.panel_linear(x, w)
         times.append(time.perf_counter() - t0)
