@@ -148,6 +148,54 @@ FT_WIDENING_LOAD(widen_u16, "vpmovzxwd", u, 2)
 FT_WIDENING_LOAD(half_lanes, "vcvtph2ps", f, 2)
 #undef FT_WIDENING_LOAD
 
+// *p on every lane, loaded by the broadcast itself (vec::splat adds to zero, a scalar add and a
+// shuffle each).
+template <int L>
+FT_INLINE typename Vec<L>::f broadcast(const float* p) {
+  static_assert(L == 16 || L == 8);
+  typename Vec<L>::f r;
+  if constexpr (L == 16) {
+    asm("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
+  } else {
+    asm("vbroadcastss %1, %0" : "=x"(r) : "m"(*p));
+  }
+  return r;
+}
+
+// A byte's low or high nibble (bytes widened to lanes: the high needs no mask).
+template <int L>
+FT_INLINE typename Vec<L>::i nibble(typename Vec<L>::i bytes, bool high) {
+  return high ? bytes >> 4 : bytes & 15;
+}
+
+// Codes put together on 16 bytes (one vector for 16 weights), then widened: the K-quants whose
+// code bits lie in two places (Q5_K, Q6_K).
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+FT_INLINE u8x16 load16(const uint8_t* p) {
+  u8x16 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+// Every byte shifted left (by > 0) or right (by < 0), as 16-bit lanes: mask off what crosses.
+FT_INLINE u8x16 shift_bytes(u8x16 v, int by) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  const u16x8 w = reinterpret_cast<u16x8>(v);
+  return reinterpret_cast<u8x16>(by >= 0 ? w << by : w >> -by);
+}
+// 16 bytes -> 16 lanes, in 16 / L vectors (inline asm: GCC scalarizes the widening convert).
+template <int L>
+FT_INLINE void widen_bytes(u8x16 q, typename Vec<L>::i (&out)[16 / L]) {
+  if constexpr (L == 16) {
+    asm("vpmovzxbd %1, %0" : "=v"(out[0]) : "x"(q));
+  } else {
+    static_assert(L == 8);
+    const u8x16 hi = __builtin_shuffle(q, u8x16{8, 9, 10, 11, 12, 13, 14, 15,
+                                                8, 9, 10, 11, 12, 13, 14, 15});
+    asm("vpmovzxbd %1, %0" : "=x"(out[0]) : "x"(q));
+    asm("vpmovzxbd %1, %0" : "=x"(out[1]) : "x"(hi));
+  }
+}
+
 template <int L>
 FT_INLINE typename Vec<L>::f to_float(typename Vec<L>::i q) {
   return __builtin_convertvector(q, typename Vec<L>::f);
@@ -353,33 +401,30 @@ struct Decoder<L, kQ5_1> : Base<L> {  // d, m, qh (u32), qs[16]: w = q * d + m
 template <int L>
 struct KScales : Base<L> {
   float dsc[8], dmn[8];
-  // The eight 6-bit scales and mins of the 12 scale bytes (gguf_blocks::scale_min_k4) four at a
-  // time in 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales
-  // 4-7; bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble)
-  // and of mins 4-7 (high nibble). ~15 ops a block instead of ~100 scalar ones.
+  // The eight 6-bit scales and mins of the 12 scale bytes (gguf_blocks::scale_min_k4) in one
+  // 16-byte vector (~20 vector ops a block; built lane by lane from scalar extracts it was ~85
+  // instructions, a fifth of a one-row step's). With A, B, C the scale bytes 0-3, 4-7, 8-11:
+  // scales 0-3 = A & 63, 4-7 = (C & 15) | (A >> 6) << 4; mins 0-3 = B & 63, 4-7 = C >> 4 |
+  // (B >> 6) << 4.
   FT_INLINE void open_scales(const uint8_t* p) {
     this->b = p;
     float d, dmin;
     half_pair(p, &d, &dmin);
-    uint32_t a, bb, c;
-    std::memcpy(&a, p + 4, 4);
-    std::memcpy(&bb, p + 8, 4);
-    std::memcpy(&c, p + 12, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = bb & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
-    const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((bb >> 6) & 0x03030303u) << 4);
     using v8 = typename Vec<8>::f;
-    using i8 = typename Vec<8>::i;
-    const i8 sc = {int32_t(sc_lo & 255), int32_t(sc_lo >> 8 & 255), int32_t(sc_lo >> 16 & 255),
-                   int32_t(sc_lo >> 24), int32_t(sc_hi & 255), int32_t(sc_hi >> 8 & 255),
-                   int32_t(sc_hi >> 16 & 255), int32_t(sc_hi >> 24)};
-    const i8 mn = {int32_t(mn_lo & 255), int32_t(mn_lo >> 8 & 255), int32_t(mn_lo >> 16 & 255),
-                   int32_t(mn_lo >> 24), int32_t(mn_hi & 255), int32_t(mn_hi >> 8 & 255),
-                   int32_t(mn_hi >> 16 & 255), int32_t(mn_hi >> 24)};
-    const v8 vd = __builtin_convertvector(sc, v8) * vec::in_register(v8{} + d);
-    const v8 vm = __builtin_convertvector(mn, v8) * vec::in_register(v8{} + dmin);
-    std::memcpy(dsc, &vd, sizeof vd);
-    std::memcpy(dmn, &vm, sizeof vm);
+    // the 12 scale bytes and 4 bytes of codes (unused): one load, no store-forwarding stall
+    const u8x16 s = load16(p + 4);
+    // lo: A C B C; hi: 0 A 0 B (indices >= 16 take the zero vector)
+    const u8x16 lo = __builtin_shuffle(s, u8x16{0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11});
+    const u8x16 hi = __builtin_shuffle(s, u8x16{}, u8x16{16, 16, 16, 16, 0, 1, 2, 3,
+                                                         16, 16, 16, 16, 4, 5, 6, 7});
+    const u8x16 six =
+        (lo & u8x16{63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0}) |
+        (shift_bytes(lo, -4) & u8x16{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15}) |
+        (shift_bytes(hi, -2) & u8x16{0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48});
+    typename Vec<8>::i six_lanes[2];  // the scales, the mins
+    widen_bytes<8>(six, six_lanes);
+    storeu<8>(dsc, __builtin_convertvector(six_lanes[0], v8) * vec::in_register(v8{} + d));
+    storeu<8>(dmn, __builtin_convertvector(six_lanes[1], v8) * vec::in_register(v8{} + dmin));
   }
 };
 
@@ -389,12 +434,12 @@ struct Decoder<L, kQ4_K> : KScales<L> {  // d, dmin, scales[12], qs[128]
   FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
     const int g = j >> 1;  // sub-block: 32-byte chunk g / 2, nibble g % 2
     const uint8_t* q = this->b + 16 + (g >> 1) * 32 + (j & 1) * 16;
-    const auto d = vec::splat<L>(this->dsc[g]), mn = vec::splat<L>(this->dmn[g]);
+    const auto d = broadcast<L>(this->dsc + g), mn = broadcast<L>(this->dmn + g);
     if constexpr (L == 16) {  // the sub-block's table, shared by its two vectors
       w[0] = lookup(codes_0_15() * d - mn, widen_u8<L>(q) >> (4 * (g & 1)));
     } else {
       for (int v = 0; v < Base<L>::V; ++v)
-        w[v] = to_float<L>((widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15) * d - mn;
+        w[v] = to_float<L>(nibble<L>(widen_u8<L>(q + v * L), g & 1)) * d - mn;
     }
   }
 };
@@ -403,38 +448,49 @@ template <int L>
 struct Decoder<L, kQ5_K> : KScales<L> {  // d, dmin, scales[12], qh[32], qs[128]
   FT_INLINE void open(const uint8_t* p) { this->open_scales(p); }
   FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
-    const int g = j >> 1;
-    const uint8_t* q = this->b + 48 + (g >> 1) * 32 + (j & 1) * 16;
-    const uint8_t* qh = this->b + 16 + (j & 1) * 16;
-    const auto d = vec::splat<L>(this->dsc[g]), mn = vec::splat<L>(this->dmn[g]);
-    for (int v = 0; v < Base<L>::V; ++v) {
-      const auto lo = (widen_u8<L>(q + v * L) >> (4 * (g & 1))) & 15;
-      const auto hi = (widen_u8<L>(qh + v * L) >> g) & 1;
-      w[v] = to_float<L>(lo | (hi << 4)) * d - mn;
-    }
+    const int g = j >> 1;  // the nibble of qs as Q4_K, bit g of qh[(j % 2) 16 + l] as bit 4
+    const u8x16 ql = load16(this->b + 48 + (g >> 1) * 32 + (j & 1) * 16);
+    const u8x16 qh = load16(this->b + 16 + (j & 1) * 16);
+    const u8x16 lo = (g & 1) ? shift_bytes(ql, -4) & 15 : ql & 15;
+    typename Base<L>::vi q[Base<L>::V];
+    widen_bytes<L>(lo | (shift_bytes(qh, 4 - g) & 16), q);
+    const auto d = broadcast<L>(this->dsc + g), mn = broadcast<L>(this->dmn + g);
+    for (int v = 0; v < Base<L>::V; ++v) w[v] = to_float<L>(q[v]) * d - mn;
   }
 };
 
+// Q6_K: the 6-bit code of 16 weights is put together on their bytes (one 16-byte vector), then
+// widened. w = (q - 32) * s is computed as q * s - 32 s in one FMA, exactly: s = d * sc holds at
+// most 18 significant bits (fp16 d, int8 sc) and q - 32 at most 5, so (q - 32) * s is an fp32
+// number and the FMA's one rounding leaves it as it is.
 template <int L>
 struct Decoder<L, kQ6_K> : Base<L> {  // ql[128], qh[64], scales[16] int8, d: w = d sc (q - 32)
-  float d;
+  alignas(32) float s[16], s32[16];  // per 16 weights: d sc and 32 d sc
   FT_INLINE void open(const uint8_t* p) {
     this->b = p;
-    d = half_to_float(p + 208);
+    using v8 = typename Vec<8>::f;
+    using i8 = typename Vec<8>::i;
+    const v8 d = v8{} + half_to_float(p + 208);
+    i8 lo, hi;  // the 16 int8 scales, sign-extended
+    asm("vpmovsxbd %1, %0" : "=x"(lo) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p + 192)));
+    asm("vpmovsxbd %1, %0" : "=x"(hi) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p + 200)));
+    const v8 s_lo = __builtin_convertvector(lo, v8) * d, s_hi = __builtin_convertvector(hi, v8) * d;
+    storeu<8>(s, s_lo);
+    storeu<8>(s + 8, s_hi);
+    storeu<8>(s32, s_lo * 32.f);
+    storeu<8>(s32 + 8, s_hi * 32.f);
   }
   FT_INLINE void vec(int j, typename Base<L>::vf (&w)[Base<L>::V]) const {
     // weights f = 16 j + l: half h = j / 8, r = f % 128; low 4 bits from ql[64 h + r % 64]
     // (nibble r / 64), high 2 from qh[32 h + r % 32] (bits 2 (r / 32)); scale j.
     const int h = j >> 3;
-    const uint8_t* ql = this->b + h * 64 + (j & 3) * 16;
-    const uint8_t* qh = this->b + 128 + h * 32 + (j & 1) * 16;
-    const int lo_shift = 4 * ((j >> 2) & 1), hi_shift = 2 * ((j >> 1) & 3);
-    const auto s = vec::splat<L>(d * static_cast<float>(static_cast<int8_t>(this->b[192 + j])));
-    for (int v = 0; v < Base<L>::V; ++v) {
-      const auto lo = (widen_u8<L>(ql + v * L) >> lo_shift) & 15;
-      const auto hi = (widen_u8<L>(qh + v * L) >> hi_shift) & 3;
-      w[v] = to_float<L>((lo | (hi << 4)) - 32) * s;
-    }
+    const u8x16 ql = load16(this->b + h * 64 + (j & 3) * 16);
+    const u8x16 qh = load16(this->b + 128 + h * 32 + (j & 1) * 16);
+    const u8x16 lo = ((j >> 2) & 1) ? shift_bytes(ql, -4) & 15 : ql & 15;
+    typename Base<L>::vi q[Base<L>::V];
+    widen_bytes<L>(lo | (shift_bytes(qh, 4 - 2 * ((j >> 1) & 3)) & 48), q);
+    const auto sj = broadcast<L>(s + j), s32j = broadcast<L>(s32 + j);
+    for (int v = 0; v < Base<L>::V; ++v) w[v] = to_float<L>(q[v]) * sj - s32j;
   }
 };
 
@@ -601,20 +657,29 @@ FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&r
 #pragma GCC unroll 64
       for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) xv[m][v] = loadu<L>(xb + m * c.K + 16 * j + v * L);
+        for (int v = 0; v < V; ++v) xv[m][v] = vec::in_register(loadu<L>(xb + m * c.K + 16 * j + v * L));
 #pragma GCC unroll 64
       for (int n = 0; n < NR; ++n) {
         vf w[V];
         blk[n].vec(j, w);
+        // (in a register for several rows: a buffered block's load is not folded into each FMA;
+        // at one row the copy would only cost a move)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; ++v)
+          if constexpr (MR > 1) w[v] = vec::in_register(w[v]);
 #pragma GCC unroll 64
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-          for (int v = 0; v < V; ++v) acc[m][n][v] = fma<L>(vec::in_register(w[v]), xv[m][v],
-                                                            acc[m][n][v]);
+          for (int v = 0; v < V; ++v) acc[m][n][v] = fma<L>(w[v], xv[m][v], acc[m][n][v]);
       }
       // NOTE: a step's decoding stays with its FMAs: unrolled over a K-quant block, GCC decoded
-      // all 16 x NR vectors first and spilled them to the stack.
-      asm volatile("" ::: "memory");
+      // all 16 x NR vectors first and spilled them to the stack. The barrier claims to write the
+      // blocks only: a "memory" clobber made GCC also store every decoded and x vector to the
+      // stack (dead stores, 4 in a step's ~30 instructions).
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n)
+        asm volatile("" : "+m"(*reinterpret_cast<uint8_t(*)[B]>(
+                              const_cast<uint8_t*>(rows[n] + b * B))));
     }
   }
   for (int m = 0; m < MR; ++m)
