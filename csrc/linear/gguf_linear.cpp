@@ -829,6 +829,11 @@ FT_INLINE void many_rows_tile(const Call& c, int64_t n0, int64_t n1, float* w, f
     const int kv = static_cast<int>((b1 - b0) * J);
     for (int i = 0; i < kTile; ++i) {  // decode the tile's chunk (tail outputs: repeat the last)
       const uint8_t* row = c.rows[std::min(n0 + i, n1 - 1)];
+      // NOTE: ask for this row's next chunk (after the last, the next tile's row) while the rows
+      // of the step run against this one: 16 rows a tile are 16 short streams, which the
+      // hardware prefetchers did not keep ahead of (8 rows from DRAM ran ~10 % slower than hot).
+      const uint8_t* next = b1 < nb ? row + b1 * B : c.rows[std::min(n0 + kTile + i, c.N - 1)];
+      for (int64_t o = 0; o < (b1 - b0) * B; o += 64) __builtin_prefetch(next + o, 0, 3);
       for (int64_t b = b0; b < b1; ++b) {
         DecoderFor<L, T> blk;
         blk.open(row + b * B);
