@@ -414,7 +414,8 @@ struct KScales : Base<L> {
     // the 12 scale bytes and 4 bytes of codes (unused): one load, no store-forwarding stall
     const u8x16 s = load16(p + 4);
     // lo: A C B C; hi: 0 A 0 B (indices >= 16 take the zero vector)
-    const u8x16 lo = __builtin_shuffle(s, u8x16{0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11});
+    const u8x16 lo = __builtin_shuffle(s, u8x16{0, 1, 2, 3, 8, 9, 10, 11,
+                                                4, 5, 6, 7, 8, 9, 10, 11});
     const u8x16 hi = __builtin_shuffle(s, u8x16{}, u8x16{16, 16, 16, 16, 0, 1, 2, 3,
                                                          16, 16, 16, 16, 4, 5, 6, 7});
     const u8x16 six =
@@ -657,7 +658,8 @@ FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&r
 #pragma GCC unroll 64
       for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) xv[m][v] = vec::in_register(loadu<L>(xb + m * c.K + 16 * j + v * L));
+        for (int v = 0; v < V; ++v)
+          xv[m][v] = vec::in_register(loadu<L>(xb + m * c.K + 16 * j + v * L));
 #pragma GCC unroll 64
       for (int n = 0; n < NR; ++n) {
         vf w[V];
