@@ -182,6 +182,7 @@ FT_INLINE u8x16 shift_bytes(u8x16 v, int by) {
   const u16x8 w = reinterpret_cast<u16x8>(v);
   return reinterpret_cast<u8x16>(by >= 0 ? w << by : w >> -by);
 }
+FT_INLINE u8x16 nibbles(u8x16 v, bool high) { return high ? shift_bytes(v, -4) & 15 : v & 15; }
 // 16 bytes -> 16 lanes, in 16 / L vectors (inline asm: GCC scalarizes the widening convert).
 template <int L>
 FT_INLINE void widen_bytes(u8x16 q, typename Vec<L>::i (&out)[16 / L]) {
@@ -452,9 +453,8 @@ struct Decoder<L, kQ5_K> : KScales<L> {  // d, dmin, scales[12], qh[32], qs[128]
     const int g = j >> 1;  // the nibble of qs as Q4_K, bit g of qh[(j % 2) 16 + l] as bit 4
     const u8x16 ql = load16(this->b + 48 + (g >> 1) * 32 + (j & 1) * 16);
     const u8x16 qh = load16(this->b + 16 + (j & 1) * 16);
-    const u8x16 lo = (g & 1) ? shift_bytes(ql, -4) & 15 : ql & 15;
     typename Base<L>::vi q[Base<L>::V];
-    widen_bytes<L>(lo | (shift_bytes(qh, 4 - g) & 16), q);
+    widen_bytes<L>(nibbles(ql, g & 1) | (shift_bytes(qh, 4 - g) & 16), q);
     const auto d = broadcast<L>(this->dsc + g), mn = broadcast<L>(this->dmn + g);
     for (int v = 0; v < Base<L>::V; ++v) w[v] = to_float<L>(q[v]) * d - mn;
   }
@@ -472,9 +472,7 @@ struct Decoder<L, kQ6_K> : Base<L> {  // ql[128], qh[64], scales[16] int8, d: w 
     using v8 = typename Vec<8>::f;
     using i8 = typename Vec<8>::i;
     const v8 d = v8{} + half_to_float(p + 208);
-    i8 lo, hi;  // the 16 int8 scales, sign-extended
-    asm("vpmovsxbd %1, %0" : "=x"(lo) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p + 192)));
-    asm("vpmovsxbd %1, %0" : "=x"(hi) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p + 200)));
+    const i8 lo = widen_s8<8>(p + 192), hi = widen_s8<8>(p + 200);  // the 16 int8 scales
     const v8 s_lo = __builtin_convertvector(lo, v8) * d, s_hi = __builtin_convertvector(hi, v8) * d;
     storeu<8>(s, s_lo);
     storeu<8>(s + 8, s_hi);
@@ -487,9 +485,8 @@ struct Decoder<L, kQ6_K> : Base<L> {  // ql[128], qh[64], scales[16] int8, d: w 
     const int h = j >> 3;
     const u8x16 ql = load16(this->b + h * 64 + (j & 3) * 16);
     const u8x16 qh = load16(this->b + 128 + h * 32 + (j & 1) * 16);
-    const u8x16 lo = ((j >> 2) & 1) ? shift_bytes(ql, -4) & 15 : ql & 15;
     typename Base<L>::vi q[Base<L>::V];
-    widen_bytes<L>(lo | (shift_bytes(qh, 4 - 2 * ((j >> 1) & 3)) & 48), q);
+    widen_bytes<L>(nibbles(ql, (j >> 2) & 1) | (shift_bytes(qh, 4 - 2 * ((j >> 1) & 3)) & 48), q);
     const auto sj = broadcast<L>(s + j), s32j = broadcast<L>(s32 + j);
     for (int v = 0; v < Base<L>::V; ++v) w[v] = to_float<L>(q[v]) * sj - s32j;
   }
