@@ -23,7 +23,8 @@
 //    decoded once into an L1-resident fp32 tile, then every row of the step runs against it
 //    (MR x NR FMA micro-kernel); the lane sums carry between chunks in a per-tile buffer, exactly
 //    (fp32 stores), so the order is the few-rows loop's. Dequantization is amortized over M rows
-//    and the GEMM stays compute bound.
+//    and the GEMM stays compute bound. x is first copied chunk by chunk ([chunk][M][chunk's k]):
+//    a chunk's rows are then one contiguous stream.
 // Formats decoded in registers (AVX-512 and AVX2): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 // Q4_K, Q5_K, Q6_K. Q2_K, Q3_K, IQ4_NL, IQ4_XS (and every format on the baseline variant) decode
 // a block at a time through gguf_blocks.h into a buffer, then the same FMAs.
@@ -74,9 +75,9 @@ constexpr TypeInfo kTypes[kNumTypes] = {
 
 constexpr int kTile = 16;            // outputs per tile (a task's unit)
 // k per decoded chunk in the many-rows loop: K cut into equal chunks of at most ~kChunk, whole
-// blocks each. NOTE: the decoded tile (16 x chunk) and the rows' x (6 x chunk) must stay in L1:
-// the dot-product micro-kernel reads 10 cache lines per 24 FMAs, and with the whole of K = 576
-// (50 KB) it ran from L2 at ~70 % of the fp32 panels' rate.
+// blocks each. NOTE: the decoded tile (16 x chunk) and a row group's x must stay in L1: the
+// dot-product micro-kernel reads 7 vectors per 12 FMAs, and with the whole of K = 576 (50 KB)
+// it ran from L2 at ~70 % of the fp32 panels' rate.
 constexpr int64_t kChunk = 256;
 constexpr int kFewRows = 8;          // steps of at most this many rows take the few-rows loop
 // NOTE: the few-rows loop asks for the block of the same position 4 NR rows ahead (the next
@@ -605,6 +606,10 @@ FT_INLINE void reduce16x16(const float* a, float* out) {
 struct Call {
   const float* x;  // [M, K]
   int64_t M, K, N;
+  // Many rows only (else null / 0): x copied chunk by chunk, [chunk c][M][its k], and the chunk
+  // (k, whole blocks of every segment's type).
+  const float* x_chunks;
+  int64_t chunk;
   const float* bias;  // [N] or null
   float* y;           // [M, N]
   const uint8_t* const* rows;
@@ -725,66 +730,70 @@ constexpr int few_rows_max() {
   return L == 16 ? kFewRows : L == 8 ? 2 : 1;
 }
 
-// Many rows: the micro-kernel. Rows [0, MR) of x (row stride K) x outputs [0, NR) of the decoded
-// tile w ([kTile][kChunk]) over kv vectors of k; lane sums in acc ([rows][kTile][16]), loaded
+// Many rows: the micro-kernel, one vector of the 16 lanes (AVX2: a half): rows [0, MR) of x
+// (row stride ldx) x outputs [0, NR) of the decoded tile w ([kTile][ldw]) over kv vectors of
+// k, x, w and acc already at that lane vector. Lane sums in acc ([rows][kTile][16]), loaded
 // unless this is K's first chunk.
 template <int L, int MR, int NR>
-FT_INLINE void micro_kernel(const float* x, int64_t K, const float* w, int64_t ldw, int kv,
+FT_INLINE void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t ldw, int kv,
                             float* acc, bool first) {
   using vf = typename Vec<L>::f;
-  constexpr int V = 16 / L;
-  vf a[MR][NR][V];
+  vf a[MR][NR];
 #pragma GCC unroll 64
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-    for (int n = 0; n < NR; ++n)
+    for (int n = 0; n < NR; ++n) a[m][n] = first ? vf{} : loadu<L>(acc + (m * kTile + n) * 16);
+  // one base pointer per operand row and one running offset: indexing from k made GCC spend
+  // ~2 integer instructions per load on the addresses
+  const float* wn[NR];
+  const float* xm[MR];
 #pragma GCC unroll 64
-      for (int v = 0; v < V; ++v)
-        a[m][n][v] = first ? vf{} : loadu<L>(acc + (m * kTile + n) * 16 + v * L);
-  for (int k = 0; k < kv; ++k) {
-    // a vector of the 16 lanes at a time (AVX2: a half): its NR weight vectors, then each row's
-    // x (all V x NR weights at once took 4 registers more: AVX2's 3 x 2 tile would spill)
+  for (int n = 0; n < NR; ++n) wn[n] = w + n * ldw;
 #pragma GCC unroll 64
-    for (int v = 0; v < V; ++v) {
-      vf wv[NR];
+  for (int m = 0; m < MR; ++m) xm[m] = x + m * ldx;
+  const int64_t end = 16 * static_cast<int64_t>(kv);
+  for (int64_t o = 0; o < end; o += 16) {
+    vf wv[NR];
 #pragma GCC unroll 64
-      for (int n = 0; n < NR; ++n)
-        wv[n] = vec::in_register(loadu<L>(w + n * ldw + 16 * k + v * L));
+    for (int n = 0; n < NR; ++n) wv[n] = vec::in_register(loadu<L>(wn[n] + o));
 #pragma GCC unroll 64
-      for (int m = 0; m < MR; ++m) {
-        const vf xv = vec::in_register(loadu<L>(x + m * K + 16 * k + v * L));
+    for (int m = 0; m < MR; ++m) {
+      const vf xv = vec::in_register(loadu<L>(xm[m] + o));
 #pragma GCC unroll 64
-        for (int n = 0; n < NR; ++n) a[m][n][v] = fma<L>(wv[n], xv, a[m][n][v]);
-      }
+      for (int n = 0; n < NR; ++n) a[m][n] = fma<L>(wv[n], xv, a[m][n]);
     }
   }
 #pragma GCC unroll 64
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 64
-    for (int n = 0; n < NR; ++n)
-#pragma GCC unroll 64
-      for (int v = 0; v < V; ++v) storeu<L>(acc + (m * kTile + n) * 16 + v * L, a[m][n][v]);
+    for (int n = 0; n < NR; ++n) storeu<L>(acc + (m * kTile + n) * 16, a[m][n]);
 }
 
-// Register tiles: AVX-512 3 rows x 4 outputs; AVX2 (two vectors an output) 3 x 2, 12 of its 16
-// registers, the other 4 the half-lane weights and x of one step (micro_kernel); baseline (four)
-// 1 x 1. NOTE: measured, not derived: on this project's Zen 5 the 3 x 4 tile ran at 205-245
-// GF/s a core, 6 x 4 (24 accumulators) at 145-180, 2 x 8 at ~205; on a Zen 3 (AVX2) 3 x 2 took
-// 0.91-0.97x the time of 2 x 2 (1B-shaped Q4_K, 8-224 rows: 10 loads for 12 FMAs, not 8 for 8).
+// Register tiles, a lane vector at a time: MR x NR accumulators, NR weight vectors and one x.
+// AVX-512 3 rows x 4 outputs; AVX2 4 x 3 (all 16 registers; the tile's 16th output takes a 4 x 1
+// pass); baseline (four) 1 x 1. NOTE: measured, not derived: on this project's Zen 5 the 3 x 4
+// tile ran at 205-245 GF/s a core, 6 x 4 (24 accumulators) at 145-180, 2 x 8 at ~205. On a Zen 3
+// (AVX2), 1B-shaped Q4_K, 2048 x 2048, 224 rows, one core: 4 x 3 a half at a time took 0.91x the
+// time of 3 x 2 over both halves (7 loads for 12 FMAs, not 10), the base pointers 0.97x more.
 template <int L>
-constexpr int many_mr() { return L == 16 ? 3 : L == 8 ? 3 : 1; }
+constexpr int many_mr() { return L == 16 ? 3 : L == 8 ? 4 : 1; }
 template <int L>
-constexpr int many_nr() { return L == 16 ? 4 : L == 8 ? 2 : 1; }
+constexpr int many_nr() { return L == 16 ? 4 : L == 8 ? 3 : 1; }
 
 template <int L, int MR>
-FT_INLINE void micro_rows(int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv,
-                          float* acc, bool first) {
+FT_INLINE void micro_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                          int kv, float* acc, bool first) {
   if constexpr (MR > 1) {
-    if (mr < MR) return micro_rows<L, MR - 1>(mr, x, K, w, ldw, kv, acc, first);
+    if (mr < MR) return micro_rows<L, MR - 1>(mr, x, ldx, w, ldw, kv, acc, first);
   }
-  constexpr int NR = many_nr<L>();
-  for (int n = 0; n < kTile; n += NR)
-    micro_kernel<L, MR, NR>(x, K, w + n * ldw, ldw, kv, acc + n * 16, first);
+  constexpr int NR = many_nr<L>(), rest = kTile % NR;
+  for (int v = 0; v < 16; v += L) {
+    int n = 0;
+    for (; n + NR <= kTile; n += NR)
+      micro_kernel<L, MR, NR>(x + v, ldx, w + n * ldw + v, ldw, kv, acc + n * 16 + v, first);
+    if constexpr (rest > 0)
+      micro_kernel<L, MR, rest>(x + v, ldx, w + n * ldw + v, ldw, kv, acc + n * 16 + v, first);
+  }
 }
 
 FT_INLINE int64_t chunk_of(int64_t K, int64_t block) {
@@ -797,18 +806,18 @@ FT_INLINE int64_t chunk_of(int64_t K, int64_t block) {
 // stack in the FMA loop: ~155 GF/s a core against ~225 alone.
 using MicroFn = void (*)(int, const float*, int64_t, const float*, int64_t, int, float*, bool);
 FT_TARGET_AVX512 __attribute__((noinline)) void micro_avx512(
-    int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv, float* acc,
+    int mr, const float* x, int64_t ldx, const float* w, int64_t ldw, int kv, float* acc,
     bool first) {
-  micro_rows<16, many_mr<16>()>(mr, x, K, w, ldw, kv, acc, first);
+  micro_rows<16, many_mr<16>()>(mr, x, ldx, w, ldw, kv, acc, first);
 }
 FT_TARGET_AVX2 __attribute__((noinline)) void micro_avx2(
-    int mr, const float* x, int64_t K, const float* w, int64_t ldw, int kv, float* acc,
+    int mr, const float* x, int64_t ldx, const float* w, int64_t ldw, int kv, float* acc,
     bool first) {
-  micro_rows<8, many_mr<8>()>(mr, x, K, w, ldw, kv, acc, first);
+  micro_rows<8, many_mr<8>()>(mr, x, ldx, w, ldw, kv, acc, first);
 }
-__attribute__((noinline)) void micro_base(int mr, const float* x, int64_t K, const float* w,
+__attribute__((noinline)) void micro_base(int mr, const float* x, int64_t ldx, const float* w,
                                           int64_t ldw, int kv, float* acc, bool first) {
-  micro_rows<4, many_mr<4>()>(mr, x, K, w, ldw, kv, acc, first);
+  micro_rows<4, many_mr<4>()>(mr, x, ldx, w, ldw, kv, acc, first);
 }
 template <int L>
 constexpr MicroFn micro_for() {
@@ -820,7 +829,7 @@ FT_INLINE void many_rows_tile(const Call& c, int64_t n0, int64_t n1, float* w, f
   using vf = typename Vec<L>::f;
   constexpr int V = 16 / L, J = kTypes[T].values / 16, B = kTypes[T].bytes;
   constexpr int MR = many_mr<L>();
-  const int64_t chunk = chunk_of(c.K, kTypes[T].values);
+  const int64_t chunk = c.chunk;
   const int64_t PB = chunk / kTypes[T].values;  // blocks a chunk
   const int64_t nb = c.K / kTypes[T].values;
   for (int64_t b0 = 0; b0 < nb; b0 += PB) {
@@ -845,10 +854,11 @@ FT_INLINE void many_rows_tile(const Call& c, int64_t n0, int64_t n1, float* w, f
         }
       }
     }
-    const float* xc = c.x + b0 * kTypes[T].values;
+    const int64_t k0 = b0 * kTypes[T].values, kc = (b1 - b0) * kTypes[T].values;
+    const float* xc = c.x_chunks + k0 * c.M;  // this chunk's [M][kc]
     for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
       const int mr = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
-      micro_for<L>()(mr, xc + m0 * c.K, c.K, w, chunk, kv, acc + m0 * kTile * 16, b0 == 0);
+      micro_for<L>()(mr, xc + m0 * kc, kc, w, chunk, kv, acc + m0 * kTile * 16, b0 == 0);
     }
   }
   float out[kTile];
@@ -875,7 +885,7 @@ FT_INLINE float* aligned64(float* p) {
 // Tiles [t0, t1) of the call, by format.
 template <int L>
 FT_INLINE void run_tiles(const Call& c, int64_t t0, int64_t t1) {
-  const bool few = c.M <= few_rows_max<L>();
+  const bool few = c.x_chunks == nullptr;
   // NOTE: 64-byte aligned: a 16-byte aligned tile split every weight load over two cache lines
   // and the many-rows loop ran at ~60 % of the fp32 panels' rate.
   thread_local std::vector<float> w_store, acc_store;
@@ -907,6 +917,18 @@ FT_INLINE void run_tiles(const Call& c, int64_t t0, int64_t t1) {
 FT_TARGET_AVX512 void run_avx512(const Call& c, int64_t t0, int64_t t1) { run_tiles<16>(c, t0, t1); }
 FT_TARGET_AVX2 void run_avx2(const Call& c, int64_t t0, int64_t t1) { run_tiles<8>(c, t0, t1); }
 void run_base(const Call& c, int64_t t0, int64_t t1) { run_tiles<4>(c, t0, t1); }
+
+// x [M, K] copied chunk by chunk into out: [chunk c][M][its k]. The micro-kernel reads a row
+// group's chunk of x 2 x 16 / NR times, and in x's own layout a chunk's rows lie K apart: every
+// row on the same L1 sets (with K a multiple of 1024) and M short streams. NOTE: on a Zen 3,
+// 224 rows, this took 0.94x the time, the copy included.
+void copy_chunks(const float* x, int64_t M, int64_t K, int64_t chunk, float* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t kc = std::min(chunk, K - k0);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(out + k0 * M + m * kc, x + m * K + k0, kc * sizeof(float));
+  }
+}
 
 int type_id(const std::string& name) {
   for (int t = 0; t < kNumTypes; ++t)
@@ -978,9 +1000,10 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   std::vector<int64_t> n0s, n1s;
   std::vector<int32_t> types;
   double bytes = 0;
-  int64_t start = 0;
+  int64_t start = 0, block = 1;  // block: a multiple of every segment's (all powers of two)
   for (int64_t s = 0; s < mat.nseg; ++s) {
     const Segment& seg = mat.segments[s];
+    block = std::max<int64_t>(block, kTypes[seg.type].values);
     for (int64_t n = start; n < seg.end; n += kTile) {
       n0s.push_back(n);
       n1s.push_back(std::min(seg.end, n + kTile));
@@ -990,10 +1013,23 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
              kTypes[seg.type].bytes;
     start = seg.end;
   }
-  const Call c{x.data_ptr<float>(), M, mat.K, mat.N, b, y.data_ptr<float>(), mat.rows,
-               n0s.data(), n1s.data(), types.data()};
   const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
   auto* run = isa == Isa::kAvx512 ? &run_avx512 : isa == Isa::kAvx2 ? &run_avx2 : &run_base;
+  const int few_max = isa == Isa::kAvx512 ? few_rows_max<16>()
+                      : isa == Isa::kAvx2 ? few_rows_max<8>()
+                                          : few_rows_max<4>();
+  const float* xd = x.data_ptr<float>();
+  const float* x_chunks = nullptr;
+  int64_t chunk = 0;
+  if (M > few_max) {
+    thread_local std::vector<float> x_store;  // the calling thread's, reused
+    chunk = chunk_of(mat.K, block);
+    x_store.resize(static_cast<size_t>(M) * mat.K);
+    copy_chunks(xd, M, mat.K, chunk, x_store.data());
+    x_chunks = x_store.data();
+  }
+  const Call c{xd, M, mat.K, mat.N, x_chunks, chunk, b, y.data_ptr<float>(), mat.rows,
+               n0s.data(), n1s.data(), types.data()};
   // One thread's time, roughly: the blocks at ~20 GB/s or the flops at ~80 GFLOP/s.
   const int64_t ntiles = static_cast<int64_t>(n0s.size());
   const double est_ns = std::max(bytes / 20.0, 2.0 * M * mat.N * mat.K / 80.0);

@@ -140,6 +140,20 @@ def test_fused_segments_of_mixed_types():
         assert ((y.double() - ref[:m]).abs() <= RTOL * scale[:m]).all(), m
 
 
+@pytest.mark.parametrize("type_", ["Q8_0", "Q4_1", "F16"])
+def test_an_uneven_last_chunk_keeps_the_one_row_bits(isa, type_):
+    """K = 288 is cut into chunks of 160 and 128 (or 144 and 144) k: the many-rows loop's copy of
+    x by chunks must put every row's k where the micro-kernel reads them."""
+    k = 288
+    desc, mapping, w = matrix([(type_, random_rows(type_, 19, k, seed=8))], k)
+    x = torch.randn(30, k)
+    y = ops.panel_linear(x, desc)
+    scale = x.double().abs() @ w.double().abs().T
+    assert ((y.double() - x.double() @ w.double().T).abs() <= RTOL * scale + 1e-30).all()
+    for m in range(30):
+        assert torch.equal(ops.panel_linear(x[m:m + 1].contiguous(), desc), y[m:m + 1]), m
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_do_not_change_the_bits(threads):
     k = 2048
