@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """HTTP load generator for OpenAI-compatible servers (FreeToken, llama.cpp's llama-server, ...).
 
-Workloads: classify, classify-multi, decode, decode-1 (freetoken/testing/workloads.py says what each
-sends; deterministic prompts, fixed seeds, no downloads).
+Workloads: classify, classify-multi, decode, decode-4, decode-1 (freetoken/testing/workloads.py
+says what each sends; deterministic prompts, fixed seeds, no downloads).
 
 Prints progress to stderr and one JSON line per run to stdout (and appends it to --out):
 requests/s, output tokens/s, p50/p99 latency, time to first token (streamed where it matters),

@@ -739,7 +739,7 @@ FT_INLINE void few_rows_dispatch(const Call& c, int mr, int64_t n0, int64_t n1, 
 }
 
 // NOTE: AVX2 up to 4 rows: on a Zen 3 (1B-shaped Q4_K / Q5_K / Q6_K / Q8_0, 2048 x 2048, one
-// core) 3 and 4 rows took 0.53-0.80x the many-rows loop's time, 5-8 rows the same time.
+// core) 3 and 4 rows took 0.73-0.84x the many-rows loop's time, 5-8 rows the same time.
 template <int L>
 constexpr int few_rows_max() {
   return L == 16 ? kFewRows : L == 8 ? 4 : 1;

@@ -85,6 +85,7 @@ WORKLOADS = {
     "classify": (200, 8, 1, False),
     "classify-multi": (200, 8, 1, False),
     "decode": (16, 8, 128, True),
+    "decode-4": (8, 4, 128, True),
     "decode-1": (4, 1, 128, True),
 }
 
@@ -140,7 +141,7 @@ def build_workload(name: str, n: int | None = None, seed: int = 0,
             j = rng.randrange(len(pre))
             out.append(Req(pre[j] + f"Review: {r}\nSentiment:", mt, True, f"p{j}"))
         return out
-    # decode / decode-1: cycle through the 16 prompts
+    # decode / decode-4 / decode-1: cycle through the 16 prompts
     return [Req(DECODE_PROMPTS[i % len(DECODE_PROMPTS)], mt, False, f"d{i % 16}")
             for i in range(n)]
 

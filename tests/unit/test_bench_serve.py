@@ -50,6 +50,8 @@ def test_decode_workloads():
     assert len(d) == 16 and len({r.prompt for r in d}) == 16
     assert all(r.max_tokens == 128 and not r.classify for r in d)
     assert wl.WORKLOADS["decode"][1] == 8 and wl.WORKLOADS["decode-1"][1] == 1
+    assert wl.WORKLOADS["decode-4"][1] == 4
+    assert [r.prompt for r in wl.build_workload("decode-4")] == [r.prompt for r in d[:8]]
     assert wl.build_workload("decode-1", 3, max_tokens=7)[2].max_tokens == 7
     with pytest.raises(ValueError):
         wl.build_workload("nope")
