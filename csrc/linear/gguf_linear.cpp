@@ -81,6 +81,7 @@ constexpr int kTile = 16;            // outputs per tile (a task's unit)
 // it ran from L2 at ~70 % of the fp32 panels' rate.
 constexpr int64_t kChunk = 256;
 constexpr int kFewRows = 8;          // steps of at most this many rows take the few-rows loop
+constexpr int64_t kRowBlock = 256;   // rows a pass of the many-rows loop (a call makes M / 256)
 // NOTE: the few-rows loop asks for the block of the same position 4 NR rows ahead (the next
 // tile's rows) while it decodes this one: one decode step reads every block from DRAM once, and
 // a row is short (a 2048-wide Q4_K row is 18 cache lines), too short for the hardware
@@ -1033,27 +1034,33 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const int few_max = isa == Isa::kAvx512 ? few_rows_max<16>()
                       : isa == Isa::kAvx2 ? few_rows_max<8>()
                                           : few_rows_max<4>();
-  const float* xd = x.data_ptr<float>();
-  const float* x_chunks = nullptr;
-  int64_t chunk = 0;
-  if (M > few_max) {
-    thread_local std::vector<float> x_store;  // the calling thread's, reused
-    chunk = chunk_of(mat.K, block);
-    x_store.resize(static_cast<size_t>(M) * mat.K);
-    copy_chunks(xd, M, mat.K, chunk, x_store.data());
-    x_chunks = x_store.data();
-  }
-  const Call c{xd, M, mat.K, mat.N, x_chunks, chunk, b, y.data_ptr<float>(), mat.rows,
-               n0s.data(), n1s.data(), types.data()};
   // One thread's time, roughly: the blocks at ~20 GB/s or the flops at ~80 GFLOP/s.
   const int64_t ntiles = static_cast<int64_t>(n0s.size());
   const double est_ns = std::max(bytes / 20.0, 2.0 * M * mat.N * mat.K / 80.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
   // Tasks: a few contiguous tile ranges per thread (dynamic claiming absorbs a late helper).
   const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, ntiles);
-  TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    run(c, ntiles * t / n, ntiles * (t + 1) / n);
-  });
+  // Row blocks of at most kRowBlock rows, each a pass over every tile (the bits do not depend on
+  // the rows beside a row). NOTE: it bounds the copy of x and the lane sums (a long prefill's
+  // 2048 rows of an 8B ffn_down would copy 117 MB) and keeps a chunk's x and sums in L2.
+  thread_local std::vector<float> x_store;  // the calling thread's, reused
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - m0);
+    const float* xd = x.data_ptr<float>() + m0 * mat.K;
+    const float* x_chunks = nullptr;
+    int64_t chunk = 0;
+    if (rows > few_max) {
+      chunk = chunk_of(mat.K, block);
+      x_store.resize(static_cast<size_t>(rows) * mat.K);
+      copy_chunks(xd, rows, mat.K, chunk, x_store.data());
+      x_chunks = x_store.data();
+    }
+    const Call c{xd, rows, mat.K, mat.N, x_chunks, chunk, b, y.data_ptr<float>() + m0 * mat.N,
+                 mat.rows, n0s.data(), n1s.data(), types.data()};
+    TaskPool::get().run(n, nthreads, [&](int64_t t) {
+      run(c, ntiles * t / n, ntiles * (t + 1) / n);
+    });
+  }
   return y;
 }
 

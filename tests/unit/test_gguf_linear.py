@@ -154,6 +154,19 @@ def test_an_uneven_last_chunk_keeps_the_one_row_bits(isa, type_):
         assert torch.equal(ops.panel_linear(x[m:m + 1].contiguous(), desc), y[m:m + 1]), m
 
 
+def test_a_step_of_more_than_256_rows_runs_in_row_blocks_with_the_same_bits(isa):
+    """Steps of over 256 rows run in passes of 256 (the copy of x stays bounded); each row and
+    its bias land where one row alone puts them."""
+    k = 512
+    desc, mapping, _ = matrix([("Q4_K", random_rows("Q4_K", 24, k, seed=9))], k)
+    x = torch.randn(300, k)
+    bias = torch.randn(24)
+    y = ops.panel_linear(x, desc, bias)
+    for m in (0, 1, 255, 256, 257, 299):
+        assert torch.equal(ops.panel_linear(x[m:m + 1].contiguous(), desc, bias), y[m:m + 1]), m
+    assert torch.equal(ops.panel_linear(x[250:290].contiguous(), desc, bias), y[250:290])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_do_not_change_the_bits(threads):
     k = 2048
