@@ -608,8 +608,8 @@ FT_INLINE void reduce16x16(const float* a, float* out) {
 struct Call {
   const float* x;  // [M, K]
   int64_t M, K, N;
-  // Many rows only (else null / 0): x copied chunk by chunk, [chunk c][M][its k], and the chunk
-  // (k, whole blocks of every segment's type).
+  // x copied chunk by chunk, [chunk c][M][its k] (many rows only; else null), and the chunk (k,
+  // whole blocks of every segment's type).
   const float* x_chunks;
   int64_t chunk;
   const float* bias;  // [N] or null
@@ -1029,11 +1029,15 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
              kTypes[seg.type].bytes;
     start = seg.end;
   }
-  const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
-  auto* run = isa == Isa::kAvx512 ? &run_avx512 : isa == Isa::kAvx2 ? &run_avx2 : &run_base;
-  const int few_max = isa == Isa::kAvx512 ? few_rows_max<16>()
-                      : isa == Isa::kAvx2 ? few_rows_max<8>()
-                                          : few_rows_max<4>();
+  // The ISA's loop and the most rows its few-rows loop takes (cpuid-checked; follows set_cpu_isa).
+  struct Variant {
+    void (*run)(const Call&, int64_t, int64_t);
+    int few_max;
+  };
+  const Isa isa = current_isa();
+  const Variant var = isa == Isa::kAvx512 ? Variant{&run_avx512, few_rows_max<16>()}
+                      : isa == Isa::kAvx2 ? Variant{&run_avx2, few_rows_max<8>()}
+                                          : Variant{&run_base, few_rows_max<4>()};
   // One thread's time, roughly: the blocks at ~20 GB/s or the flops at ~80 GFLOP/s.
   const int64_t ntiles = static_cast<int64_t>(n0s.size());
   const double est_ns = std::max(bytes / 20.0, 2.0 * M * mat.N * mat.K / 80.0);
@@ -1044,13 +1048,12 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   // the rows beside a row). NOTE: it bounds the copy of x and the lane sums (a long prefill's
   // 2048 rows of an 8B ffn_down would copy 117 MB) and keeps a chunk's x and sums in L2.
   thread_local std::vector<float> x_store;  // the calling thread's, reused
+  const int64_t chunk = chunk_of(mat.K, block);
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - m0);
     const float* xd = x.data_ptr<float>() + m0 * mat.K;
     const float* x_chunks = nullptr;
-    int64_t chunk = 0;
-    if (rows > few_max) {
-      chunk = chunk_of(mat.K, block);
+    if (rows > var.few_max) {
       x_store.resize(static_cast<size_t>(rows) * mat.K);
       copy_chunks(xd, rows, mat.K, chunk, x_store.data());
       x_chunks = x_store.data();
@@ -1058,7 +1061,7 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
     const Call c{xd, rows, mat.K, mat.N, x_chunks, chunk, b, y.data_ptr<float>() + m0 * mat.N,
                  mat.rows, n0s.data(), n1s.data(), types.data()};
     TaskPool::get().run(n, nthreads, [&](int64_t t) {
-      run(c, ntiles * t / n, ntiles * (t + 1) / n);
+      var.run(c, ntiles * t / n, ntiles * (t + 1) / n);
     });
   }
   return y;
