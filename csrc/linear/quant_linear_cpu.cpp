@@ -67,6 +67,8 @@ constexpr int64_t kPrefetchBytes = 1536;
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
+// AVX2 steps of at least this many rows (in a chunk of at most 8) take gguf_half_panels.
+constexpr int kHalfPanelRows = 4;
 
 // Panels go in groups of kGroup whose blocks interleave, [block b][panel j of the group]: the
 // few-row kernel takes a group's panels at once (for its FMA chains), and so reads one stream,
@@ -190,6 +192,59 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
     panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p + j) * kNR, a.bias);
 }
 
+// AVX2 at 4-8 rows: panel p one 8-output half at a time (MR accumulators, where the whole panel
+// would take 2 MR of the 16 registers), so that each weight is decoded once for all the rows
+// (3-row chunks decoded it once a chunk). The half's second pass reads the panel from L1. Each
+// output's chain over k is gguf_group's: the same bits.
+template <int L, int MR, Format F>
+FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int64_t r0,
+                                int64_t p) {
+  using vf = typename Vec<L>::f;
+  using vu = typename Vec<L>::u;
+  constexpr int V = kNR / L;
+  constexpr bool kQ41 = F == panel::kQ4_1;
+  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  constexpr int kRows = kQ41 ? 8 : 4;
+  constexpr int kScales = kQ41 ? 2 : 1;
+  constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;
+  const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
+  const int64_t stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;
+  const uint8_t* blk = a.w + block_index(p, 0, nb, P) * kBlock;
+  vf sums[MR][V];
+#pragma GCC unroll 2
+  for (int h = 0; h < V; ++h) {
+    vf acc[MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = vf{};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* bj = blk + b * stride;
+      if (h == 0) {
+        const uint8_t* ahead = bj + kAheadBlocks * stride;
+#pragma GCC unroll 16
+        for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+      }
+      const float* dp = reinterpret_cast<const float*>(bj);
+      const uint8_t* q = bj + kScales * kNR * 4;
+      const vf d = loadu<L>(dp + h * L), mn = kQ41 ? loadu<L>(dp + kNR + h * L) : vf{};
+#pragma GCC unroll 8
+      for (int g = 0; g < 32 / kRows; ++g) {
+        vu words;
+        std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
+#pragma GCC unroll 8
+        for (int t = 0; t < kRows; ++t) {
+          const int64_t k = b * 32 + kRows * g + t;
+          const vf w = in_register(weight_row<L, F>(words, t, d, mn));
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) acc[m] += w * xr[m][k];
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) sums[m][h] = acc[m];
+  }
+  panel::store_sums<L>(sums, a.y + r0 * a.N, a.N, p * kNR, a.bias);
+}
+
 // Panels [p0, p1) in groups of NP, then the rest in halving groups.
 template <int L, int MR, int NP, Format F>
 FT_INLINE void gguf_groups(const Args& a, const float* const (&xr)[MR], int64_t r0, int64_t p0,
@@ -210,8 +265,12 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
   // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
   // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
-  constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
-  gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
+  if constexpr (L == 8 && MR >= kHalfPanelRows) {
+    for (int64_t p = p0; p < p1; ++p) gguf_half_panels<L, MR, F>(a, xr, r0, p);
+  } else {
+    constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
+    gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
+  }
 }
 
 // MR from the run-time row count mr (1..MR): one instantiation per value.
@@ -323,7 +382,7 @@ FT_TARGET_AVX512 void run_avx512_16(const Args& a, int64_t p0, int64_t p1) {
 }
 template <Format F>
 FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) {
-  run<8, 3, F>(a, p0, p1);
+  run<8, 8, F>(a, p0, p1);
 }
 template <Format F>
 void run_base(const Args& a, int64_t p0, int64_t p1) {
@@ -340,7 +399,7 @@ Kernel pick_kernel(int64_t M) {
   const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
   if (isa == Isa::kAvx512)
     return M <= 8 ? Kernel{&run_avx512<F>, 8} : Kernel{&run_avx512_16<F>, 16};
-  if (isa == Isa::kAvx2) return {&run_avx2<F>, 3};
+  if (isa == Isa::kAvx2) return {&run_avx2<F>, 8};
   return {&run_base<F>, 1};
 }
 
