@@ -24,8 +24,9 @@
 // at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
-// up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels);
-// per block row the dequantized vector is shared by the MR FMAs. Every output is one FMA chain
+// up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 from 3
+// rows one half panel at a time (MR x 8 accumulators); per block row the dequantized vector is
+// shared by the MR FMAs. Every output is one FMA chain
 // over k = 0..K-1 then + bias, the fp32 panels' order: these give their bits, whatever the row
 // count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
 #include <torch/extension.h>
@@ -67,8 +68,10 @@ constexpr int64_t kPrefetchBytes = 1536;
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
-// AVX2 steps of at least this many rows (in a chunk of at most 8) take gguf_half_panels.
-constexpr int kHalfPanelRows = 4;
+// AVX2 chunks of at least this many rows (at most 8) take gguf_half_panels. NOTE: Zen 3, Q4_1
+// 1536 x 576 from DRAM, against gguf_group's 3-row chunks: 3 rows 0.61-0.68x the time, 4 rows
+// 0.28-0.51x, 8 rows 0.62-0.70x, 16 rows 0.72-0.78x; at 2 rows 1.03-1.15x, so 2 stay there.
+constexpr int kHalfPanelRows = 3;
 
 // Panels go in groups of kGroup whose blocks interleave, [block b][panel j of the group]: the
 // few-row kernel takes a group's panels at once (for its FMA chains), and so reads one stream,
@@ -192,7 +195,7 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
     panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p + j) * kNR, a.bias);
 }
 
-// AVX2 at 4-8 rows: panel p one 8-output half at a time (MR accumulators, where the whole panel
+// AVX2 at 3-8 rows: panel p one 8-output half at a time (MR accumulators, where the whole panel
 // would take 2 MR of the 16 registers), so that each weight is decoded once for all the rows
 // (3-row chunks decoded it once a chunk). The half's second pass reads the panel from L1. Each
 // output's chain over k is gguf_group's: the same bits.
@@ -368,7 +371,8 @@ void decode_any(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, 
 }
 
 // Registers: AVX-512 holds 16 rows' accumulators and the block's vectors in its 32 (one panel
-// at a time from 8 rows: 8 chains); AVX2 (two vectors a panel row) 3 rows in 16; SSE2 (four) 1.
+// at a time from 8 rows: 8 chains); AVX2 (two vectors a panel row) 2 rows a chunk in 16, or 3-8
+// by half panels; SSE2 (four) 1.
 // NOTE: 16 rows, not 8: 9-16 rows in one chunk dequantize each block once, not twice
 // (SmolLM2's layer linears at 12 rows: 13.7 -> 7.7 ms, 16 rows: 13.4 -> 9.9). Steps of at most
 // 8 rows (decode) keep a function of their own, the code they had before.
