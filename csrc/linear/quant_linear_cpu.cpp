@@ -24,9 +24,9 @@
 // at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
-// up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 from 3
-// rows one half panel at a time (MR x 8 accumulators); per block row the dequantized vector is
-// shared by the MR FMAs. Every output is one FMA chain
+// up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 one
+// half panel at a time (gguf_half_panels); per block row the dequantized vector is shared by the
+// MR FMAs. Every output is one FMA chain
 // over k = 0..K-1 then + bias, the fp32 panels' order: these give their bits, whatever the row
 // count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
 #include <torch/extension.h>
@@ -68,10 +68,6 @@ constexpr int64_t kPrefetchBytes = 1536;
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
-// AVX2 chunks of at least this many rows (at most 8) take gguf_half_panels. NOTE: Zen 3, Q4_1
-// 1536 x 576 from DRAM, against gguf_group's 3-row chunks: 3 rows 0.61-0.68x the time, 4 rows
-// 0.28-0.51x, 8 rows 0.62-0.70x, 16 rows 0.72-0.78x; at 2 rows 1.03-1.15x, so 2 stay there.
-constexpr int kHalfPanelRows = 3;
 
 // Panels go in groups of kGroup whose blocks interleave, [block b][panel j of the group]: the
 // few-row kernel takes a group's panels at once (for its FMA chains), and so reads one stream,
@@ -195,11 +191,15 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
     panel::store_sums<L>(acc[j], a.y + r0 * a.N, a.N, (p + j) * kNR, a.bias);
 }
 
-// AVX2 at 3-8 rows: panel p one 8-output half at a time (MR accumulators, where the whole panel
-// would take 2 MR of the 16 registers), so that each weight is decoded once for all the rows
-// (3-row chunks decoded it once a chunk). The half's second pass reads the panel from L1. Each
-// output's chain over k is gguf_group's: the same bits.
-template <int L, int MR, Format F>
+// AVX2: panels p .. p + NP - 1 one 8-output half at a time (NP x MR accumulators, where whole
+// panels would take twice as many of the 16 registers), so that 3-8 rows decode each weight
+// once (in 3-row chunks, once a chunk) and Q4_1's one or two rows, 4 panels at once, do not
+// spill. The second half reads the panels from L1 or L2. Each output's chain over k is
+// gguf_group's: the same bits. NOTE: Zen 3, 1536 x 576 from DRAM, time against gguf_group:
+// Q4_1 1 row 0.61-0.90x, 2 rows 0.80-0.85x, 3 rows 0.61-0.68x, 4 rows 0.28-0.51x, 8 rows
+// 0.62-0.70x, 16 rows 0.72-0.78x. Q8_0 (no min to keep) at 1 row 1.06-1.15x, and its 49152-row
+// lm_head 1.28-1.36x, so Q8_0 keeps gguf_group below 3 rows.
+template <int L, int MR, int NP, Format F>
 FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int64_t r0,
                                 int64_t p) {
   using vf = typename Vec<L>::f;
@@ -211,41 +211,67 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
   constexpr int kScales = kQ41 ? 2 : 1;
   constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;
   const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
+  // panels p .. p + NP - 1 are in one group (NP divides kGroup and p is a multiple of NP)
   const int64_t stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;
-  const uint8_t* blk = a.w + block_index(p, 0, nb, P) * kBlock;
-  vf sums[MR][V];
+  const uint8_t* blk[NP];
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j) blk[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
+  vf sums[NP][MR][V];
 #pragma GCC unroll 2
   for (int h = 0; h < V; ++h) {
-    vf acc[MR];
+    vf acc[NP][MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) acc[m] = vf{};
+      for (int m = 0; m < MR; ++m) acc[j][m] = vf{};
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* bj = blk + b * stride;
       if (h == 0) {
-        const uint8_t* ahead = bj + kAheadBlocks * stride;
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) {
+          const uint8_t* ahead = blk[j] + (b + kAheadBlocks) * stride;
 #pragma GCC unroll 16
-        for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+          for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+        }
       }
-      const float* dp = reinterpret_cast<const float*>(bj);
-      const uint8_t* q = bj + kScales * kNR * 4;
-      const vf d = loadu<L>(dp + h * L), mn = kQ41 ? loadu<L>(dp + kNR + h * L) : vf{};
 #pragma GCC unroll 8
       for (int g = 0; g < 32 / kRows; ++g) {
-        vu words;
-        std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
-        for (int t = 0; t < kRows; ++t) {
-          const int64_t k = b * 32 + kRows * g + t;
-          const vf w = in_register(weight_row<L, F>(words, t, d, mn));
+        for (int j = 0; j < NP; ++j) {
+          const uint8_t* bj = blk[j] + b * stride;
+          const float* dp = reinterpret_cast<const float*>(bj);
+          const uint8_t* q = bj + kScales * kNR * 4;
+          const vf d = loadu<L>(dp + h * L), mn = kQ41 ? loadu<L>(dp + kNR + h * L) : vf{};
+          vu words;
+          std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
+#pragma GCC unroll 8
+          for (int t = 0; t < kRows; ++t) {
+            const int64_t k = b * 32 + kRows * g + t;
+            const vf w = in_register(weight_row<L, F>(words, t, d, mn));
 #pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m) acc[m] += w * xr[m][k];
+            for (int m = 0; m < MR; ++m) acc[j][m] += w * xr[m][k];
+          }
         }
       }
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) sums[m][h] = acc[m];
+      for (int m = 0; m < MR; ++m) sums[j][m][h] = acc[j][m];
   }
-  panel::store_sums<L>(sums, a.y + r0 * a.N, a.N, p * kNR, a.bias);
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j)
+    panel::store_sums<L>(sums[j], a.y + r0 * a.N, a.N, (p + j) * kNR, a.bias);
+}
+
+// Panels [p0, p1) by gguf_half_panels in groups of NP, then the rest in halving groups.
+template <int L, int MR, int NP, Format F>
+FT_INLINE void gguf_half_groups(const Args& a, const float* const (&xr)[MR], int64_t r0,
+                                int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) gguf_half_panels<L, MR, NP, F>(a, xr, r0, p);
+  if constexpr (NP > 1) {
+    if (p < p1) gguf_half_groups<L, MR, NP / 2, F>(a, xr, r0, p, p1);
+  }
 }
 
 // Panels [p0, p1) in groups of NP, then the rest in halving groups.
@@ -268,8 +294,9 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
   // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
   // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
-  if constexpr (L == 8 && MR >= kHalfPanelRows) {
-    for (int64_t p = p0; p < p1; ++p) gguf_half_panels<L, MR, F>(a, xr, r0, p);
+  if constexpr (L == 8 && (MR >= 3 || F == panel::kQ4_1)) {
+    constexpr int HNP = MR <= 2 ? 4 : 1;  // 2 or 4 panels at 3-4 rows: 1.24-1.8x the time
+    gguf_half_groups<L, MR, HNP, F>(a, xr, r0, p0, p1);
   } else {
     constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
     gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
@@ -371,8 +398,8 @@ void decode_any(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, 
 }
 
 // Registers: AVX-512 holds 16 rows' accumulators and the block's vectors in its 32 (one panel
-// at a time from 8 rows: 8 chains); AVX2 (two vectors a panel row) 2 rows a chunk in 16, or 3-8
-// by half panels; SSE2 (four) 1.
+// at a time from 8 rows: 8 chains); AVX2 up to 8 rows a chunk by half panels (Q8_0's
+// 1-2 rows: 2 rows in 16); SSE2 (four vectors a panel row) 1.
 // NOTE: 16 rows, not 8: 9-16 rows in one chunk dequantize each block once, not twice
 // (SmolLM2's layer linears at 12 rows: 13.7 -> 7.7 ms, 16 rows: 13.4 -> 9.9). Steps of at most
 // 8 rows (decode) keep a function of their own, the code they had before.
