@@ -122,6 +122,32 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
   }
 }
 
+// The blocks of panels p .. p + NP - 1, one group's (NP divides kGroup and p is a multiple of
+// NP): block b of panel p + j at at(j, b).
+template <int NP, Format F>
+struct GroupBlocks {
+  static constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  static constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // a panel's
+  const uint8_t* first[NP];
+  int64_t stride;  // one block on
+  FT_INLINE GroupBlocks(const Args& a, int64_t p) {
+    const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
+    stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) first[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
+  }
+  FT_INLINE const uint8_t* at(int j, int64_t b) const { return first[j] + b * stride; }
+  // asks for every panel's block kPrefetchBytes ahead of block b
+  FT_INLINE void prefetch(int64_t b) const {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const uint8_t* ahead = at(j, b + kAheadBlocks);
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+    }
+  }
+};
+
 // Rows [r0, r0 + MR) of y (xr: their pointers), panels [p, p + NP). L = floats per vector.
 template <int L, int MR, int NP, Format F>
 FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r0, int64_t p) {
@@ -132,33 +158,22 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
   using vu = typename Vec<L>::u;
   constexpr int V = kNR / L;
   constexpr bool kQ41 = F == panel::kQ4_1;
-  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
   constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
   constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
-  constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // a panel's blocks
-  const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
-  // panels p .. p + NP - 1 are in one group (NP divides kGroup and p is a multiple of NP)
-  const int64_t stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;  // one block on
-  const uint8_t* blk[NP];
-#pragma GCC unroll 8
-  for (int j = 0; j < NP; ++j) blk[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
+  const int64_t nb = a.K / 32;
+  const GroupBlocks<NP, F> blk(a, p);
   vf acc[NP][MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
   for (int64_t b = 0; b < nb; ++b) {
-#pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) {
-      const uint8_t* ahead = blk[j] + (b + kAheadBlocks) * stride;
-#pragma GCC unroll 16
-      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
-    }
+    blk.prefetch(b);
 #pragma GCC unroll 8
     for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
       // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
       // panels' at once spilled at one row); the out-of-order core overlaps the panels' chains
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
-        const uint8_t* bj = blk[j] + b * stride;
+        const uint8_t* bj = blk.at(j, b);
         const float* dp = reinterpret_cast<const float*>(bj);
         const uint8_t* q = bj + kScales * kNR * 4;
         vf d[V], mn[V];
@@ -206,16 +221,10 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
   using vu = typename Vec<L>::u;
   constexpr int V = kNR / L;
   constexpr bool kQ41 = F == panel::kQ4_1;
-  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
   constexpr int kRows = kQ41 ? 8 : 4;
   constexpr int kScales = kQ41 ? 2 : 1;
-  constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;
-  const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
-  // panels p .. p + NP - 1 are in one group (NP divides kGroup and p is a multiple of NP)
-  const int64_t stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;
-  const uint8_t* blk[NP];
-#pragma GCC unroll 8
-  for (int j = 0; j < NP; ++j) blk[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
+  const int64_t nb = a.K / 32;
+  const GroupBlocks<NP, F> blk(a, p);
   vf sums[NP][MR][V];
 #pragma GCC unroll 2
   for (int h = 0; h < V; ++h) {
@@ -225,19 +234,12 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) acc[j][m] = vf{};
     for (int64_t b = 0; b < nb; ++b) {
-      if (h == 0) {
-#pragma GCC unroll 8
-        for (int j = 0; j < NP; ++j) {
-          const uint8_t* ahead = blk[j] + (b + kAheadBlocks) * stride;
-#pragma GCC unroll 16
-          for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
-        }
-      }
+      if (h == 0) blk.prefetch(b);  // the second half finds them in L1 or L2
 #pragma GCC unroll 8
       for (int g = 0; g < 32 / kRows; ++g) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
-          const uint8_t* bj = blk[j] + b * stride;
+          const uint8_t* bj = blk.at(j, b);
           const float* dp = reinterpret_cast<const float*>(bj);
           const uint8_t* q = bj + kScales * kNR * 4;
           const vf d = loadu<L>(dp + h * L), mn = kQ41 ? loadu<L>(dp + kNR + h * L) : vf{};
