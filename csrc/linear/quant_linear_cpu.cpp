@@ -26,9 +26,8 @@
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
 // up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 one
 // half panel at a time (gguf_half_panels); per block row the dequantized vector is shared by the
-// MR FMAs. Every output is one FMA chain
-// over k = 0..K-1 then + bias, the fp32 panels' order: these give their bits, whatever the row
-// count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
+// MR FMAs. Every output is one FMA chain over k = 0..K-1 then + bias, the fp32 panels' order:
+// these give their bits, whatever the row count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -127,7 +126,7 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
 template <int NP, Format F>
 struct GroupBlocks {
   static constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
-  static constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // a panel's
+  static constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // of a panel
   const uint8_t* first[NP];
   int64_t stride;  // one block on
   FT_INLINE GroupBlocks(const Args& a, int64_t p) {
@@ -293,13 +292,13 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   const float* xr[MR];  // the chunk's rows
 #pragma GCC unroll 64
   for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.K;
-  // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
-  // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
-  // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
   if constexpr (L == 8 && (MR >= 3 || F == panel::kQ4_1)) {
     constexpr int HNP = MR <= 2 ? 4 : 1;  // 2 or 4 panels at 3-4 rows: 1.24-1.8x the time
     gguf_half_groups<L, MR, HNP, F>(a, xr, r0, p0, p1);
   } else {
+    // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
+    // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
+    // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
     constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
     gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
   }
