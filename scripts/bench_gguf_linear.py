@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A GGUF's layer linears computed in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp)
 against the same weights dequantized into fp32 panels (ops.pack_panels), as block panels
-(ops.pack_gguf_panels: the default form of Q4_1 / Q8_0, csrc/linear/quant_linear_cpu.cpp; only
-when every matrix is one of those types) and, with --int8, the int8 compute mode
+(ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp: Q4_1 / Q8_0 / Q4_K, the other types
+in place) and, with --int8, the int8 compute mode
 (ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
 matrices called once per step, in order, so each weight comes from DRAM as in a forward. The
 forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time (int8:
@@ -63,6 +63,8 @@ def load_forms(path: str, layers: int | None, panels: bool, int8: bool) -> list[
         if t.tensor_type.name in ops.GGUF_PANEL_TYPES:
             form["block_panels"] = ops.pack_gguf_panels(torch.from_numpy(np.array(rows)),
                                                         t.tensor_type.name, k)
+        else:  # the types without block panels stay in place there, as in the server
+            form["block_panels"] = form["in_place"]
         out.append(form)
         print(f"\r{len(out)} matrices", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -88,7 +90,8 @@ def main() -> None:
               f"{ops.int8_bound_loop()})")
     forms = load_forms(path, args.layers, not args.no_panels, args.int8)
     names = ["in_place"] + ([] if args.no_panels else ["panels"]) \
-        + (["block_panels"] if all("block_panels" in f for f in forms) else []) \
+        + (["block_panels"] if any(f["block_panels"] is not f["in_place"] for f in forms)
+           else []) \
         + (["int8"] if args.int8 else [])
     weights = sum(f["k"] * f["n"] for f in forms)
     results = []

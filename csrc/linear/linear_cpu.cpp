@@ -31,7 +31,7 @@
 // thread: a row's result does not depend on the rows computed with it (batch invariance, issue
 // 23; quant_linear_cpu.cpp sums in the same order, so the GGUF-block panels give these bits too).
 //
-// GGUF-block panels (quant_linear_cpu.cpp) of more than kGGUFFewRows rows come here too: each
+// GGUF-block panels (quant_linear_cpu.cpp) of more than gguf_few_rows() rows come here too: each
 // thread decodes an L2-sized block of its panels at a time into fp32 panels in a buffer of its
 // own (run_decoded), then runs the fp32 micro-kernels over it: the fp32 panels' bits, with no
 // fp32 copy of the weight anywhere.
@@ -396,6 +396,7 @@ int64_t panel_bytes(Format format, int64_t K) {
     case kBF16: return K * kNR * 2;
     case kQ4_1: return K / 32 * kQ4_1BlockBytes;
     case kQ8_0: return K / 32 * kQ8_0BlockBytes;
+    case kQ4_K: return K / 256 * kQ4_KBlockBytes;
   }
   return -1;
 }
@@ -423,11 +424,11 @@ Header read_header(const at::Tensor& packed, const char* op) {
   const at::ScalarType want = format == kF32 ? at::kFloat
                               : format == kBF16 ? at::kBFloat16
                               : at::kByte;
-  TORCH_CHECK(format >= kF32 && format <= kQ8_0 && want == t,
+  TORCH_CHECK(format >= kF32 && format <= kQ4_K && want == t,
               op, ": packed's header names another format than its tensor's dtype");
   const Header hd{h[2], h[3], h[5], format, off};
-  const bool blocks = format == kQ4_1 || format == kQ8_0;
-  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 && (!blocks || hd.K % 32 == 0) &&
+  TORCH_CHECK(hd.N >= 1 && hd.K >= 1 &&
+                  (!is_gguf_blocks(format) || hd.K % block_values(format) == 0) &&
                   hd.P == (hd.N + kNR - 1) / kNR &&
                   packed.numel() * packed.element_size() ==
                       kHeaderBytes + hd.P * panel_bytes(format, hd.K),
@@ -493,7 +494,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   const float* xp = nullptr;
   // GGUF-block panels: decoded a block at a time (run_decoded), x read in place
-  const bool decoded = h.format == panel::kQ4_1 || h.format == panel::kQ8_0;
+  const bool decoded = panel::is_gguf_blocks(h.format);
   if (!decoded && (M > 1 || !std::is_same_v<XT, float>)) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
     const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
@@ -562,7 +563,8 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
       return y.to(at::kBFloat16);  // one rounding of the fp32 sums, as oneDNN's bf16 linear
     case panel::kQ4_1:
     case panel::kQ8_0:
-      if (M <= panel::kGGUFFewRows) {
+    case panel::kQ4_K:
+      if (M <= panel::gguf_few_rows()) {
         panel::gguf_panel_linear(x, packed, h, b, y);
         return y;
       }

@@ -20,7 +20,7 @@
 // blocks of each group of 4 panels interleave, block by block (block_index), so the kernel
 // reads a group as one stream.
 //
-// Steps of more than kGGUFFewRows rows do not come here: linear_cpu.cpp decodes a block of panels
+// Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of panels
 // at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
@@ -42,6 +42,7 @@
 
 #include "common/isa.h"
 #include "common/task_pool.h"
+#include "linear/gguf_blocks.h"
 #include "linear/panel_common.h"
 
 namespace freetoken {
@@ -50,6 +51,7 @@ using panel::Format;
 using panel::in_register;
 using panel::kNR;
 using panel::kQ4_1BlockBytes;
+using panel::kQ4_KBlockBytes;
 using panel::kQ8_0BlockBytes;
 using panel::loadu;
 using panel::Vec;
@@ -58,6 +60,7 @@ namespace {
 
 constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
+constexpr int64_t kQ4_KSourceBytes = 144;  // GGUF: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
 // NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
 // every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
@@ -88,6 +91,26 @@ struct Args {
   int64_t M, N, K;
 };
 
+// A format's panel blocks: kValues k each, in sub-blocks of 32 k whose weights are q * d + m
+// (Q8_0: q * d), their codes packed kRows k to a 32-bit word.
+template <Format F>
+struct Layout {
+  static constexpr bool kNibbles = F != panel::kQ8_0;  // 4-bit codes, else int8
+  static constexpr int kRows = kNibbles ? 8 : 4;
+  static constexpr int64_t kValues = panel::block_values(F);
+  static constexpr int kSubs = static_cast<int>(kValues / 32);
+  static constexpr int64_t kBytes = F == panel::kQ4_1   ? kQ4_1BlockBytes
+                                    : F == panel::kQ8_0 ? kQ8_0BlockBytes
+                                                        : kQ4_KBlockBytes;
+  static constexpr int64_t kSourceBytes = F == panel::kQ4_1   ? kQ4_1SourceBytes
+                                          : F == panel::kQ8_0 ? kQ8_0SourceBytes
+                                                              : kQ4_KSourceBytes;
+  // sub-block s's 32 / kRows x 16 words in a block
+  static FT_INLINE const uint8_t* words(const uint8_t* block, int s) {
+    return block + (F == panel::kQ4_1 ? 128 : F == panel::kQ8_0 ? 64 : 384 + s * 256);
+  }
+};
+
 
 // float(w & 15) in each lane. On 16 lanes it is one vpermps from the table 0..15, which reads
 // only an index's low 4 bits: no mask and no convert (__builtin_shuffle takes its indices
@@ -113,7 +136,7 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
                                         typename Vec<L>::f m) {
   using vf = typename Vec<L>::f;
   using vi = typename Vec<L>::i;
-  if constexpr (F == panel::kQ4_1) {
+  if constexpr (Layout<F>::kNibbles) {
     return nibble<L>(word >> (4 * t)) * d + m;
   } else {
     (void)m;
@@ -121,16 +144,70 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
   }
 }
 
+// Q4_K: a block's 8 sub-blocks' scales as [d * sc[16], -dmin * m[16]] each at out, so that
+// weight_row's q * d + m is gguf's (d * sc) * q - dmin * m: d * sc and dmin * m are exact
+// (11 x 6 significant bits), and so is their product with q, so both round once, at the end.
+template <int L>
+FT_INLINE void expand_k_scales(const uint8_t* block, float* out) {
+  using vf = typename Vec<L>::f;
+  using vu = typename Vec<L>::u;
+  using vi = typename Vec<L>::i;
+  constexpr int V = kNR / L;
+  const float* d = reinterpret_cast<const float*>(block);
+  const uint8_t* words = block + 2 * kNR * 4;  // [s / 2][16]: sc, m of s even, then of s odd
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+    const unsigned shift = 16 * (s & 1);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      vu w;
+      std::memcpy(&w, words + ((s / 2) * kNR + v * L) * 4, sizeof w);
+      const vf sc = __builtin_convertvector(vi((w >> shift) & 255u), vf);
+      const vf mn = __builtin_convertvector(vi((w >> (shift + 8)) & 255u), vf);
+      const vf ds = loadu<L>(d + v * L) * sc, dm = -(loadu<L>(d + kNR + v * L) * mn);
+      std::memcpy(out + s * 32 + v * L, &ds, sizeof ds);
+      std::memcpy(out + s * 32 + kNR + v * L, &dm, sizeof dm);
+    }
+  }
+}
+
+// The [d[16], m[16]] of sub-block s of a block of panel j of NP: the block's own (Q4_1, Q8_0),
+// or for Q4_K those expand_k_scales made once per block (at = the block's first byte).
+template <int L, int NP, Format F>
+struct BlockScales {
+  static constexpr bool kExpanded = F == panel::kQ4_K;
+  alignas(64) float expanded[kExpanded ? NP * 8 * 32 : 1];
+  template <typename At>
+  FT_INLINE explicit BlockScales(const At& at) {
+    if constexpr (kExpanded) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) expand_k_scales<L>(at(j), expanded + j * 256);
+    } else {
+      (void)at;
+    }
+  }
+  FT_INLINE const float* of(const uint8_t* block, int j, int s) const {
+    if constexpr (kExpanded) {
+      (void)block;
+      return expanded + j * 256 + s * 32;
+    } else {
+      (void)j;
+      (void)s;
+      return reinterpret_cast<const float*>(block);
+    }
+  }
+};
+
 // The blocks of panels p .. p + NP - 1, one group's (NP divides kGroup and p is a multiple of
 // NP): block b of panel p + j at at(j, b).
 template <int NP, Format F>
 struct GroupBlocks {
-  static constexpr int64_t kBlock = F == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
+  static constexpr int64_t kBlock = Layout<F>::kBytes;
   static constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // of a panel
   const uint8_t* first[NP];
   int64_t stride;  // one block on
   FT_INLINE GroupBlocks(const Args& a, int64_t p) {
-    const int64_t nb = a.K / 32, P = (a.N + kNR - 1) / kNR;
+    const int64_t nb = a.K / Layout<F>::kValues, P = (a.N + kNR - 1) / kNR;
     stride = std::min(kGroup, P - p / kGroup * kGroup) * kBlock;
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) first[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
@@ -155,17 +232,18 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
   // __builtin_convertvector from uint8 lanes (a movzbl + vpinsrd per byte), and intrinsics
   // cannot serve the three ISA variants of one template.
   using vu = typename Vec<L>::u;
+  using Lay = Layout<F>;
   constexpr int V = kNR / L;
-  constexpr bool kQ41 = F == panel::kQ4_1;
-  constexpr int kRows = kQ41 ? 8 : 4;    // rows packed in a word
-  constexpr int kScales = kQ41 ? 2 : 1;  // d[16] (and m[16]) before the words
-  const int64_t nb = a.K / 32;
+  constexpr int kRows = Lay::kRows;  // rows packed in a word
+  const int64_t nb = a.K / Lay::kValues;
   const GroupBlocks<NP, F> blk(a, p);
   vf acc[NP][MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
   for (int64_t b = 0; b < nb; ++b) {
     blk.prefetch(b);
+    const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
+    for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
     for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
       // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
@@ -173,19 +251,19 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
         const uint8_t* bj = blk.at(j, b);
-        const float* dp = reinterpret_cast<const float*>(bj);
-        const uint8_t* q = bj + kScales * kNR * 4;
+        const float* dp = scales.of(bj, j, s);
+        const uint8_t* q = Lay::words(bj, s);
         vf d[V], mn[V];
         vu words[V];
 #pragma GCC unroll 64
         for (int v = 0; v < V; ++v) {
           d[v] = loadu<L>(dp + v * L);
-          mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
+          mn[v] = Lay::kNibbles ? loadu<L>(dp + kNR + v * L) : vf{};
           std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
         }
 #pragma GCC unroll 8
         for (int t = 0; t < kRows; ++t) {
-          const int64_t k = b * 32 + kRows * g + t;
+          const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
           vf w[V];
 #pragma GCC unroll 64
           for (int v = 0; v < V; ++v)
@@ -218,11 +296,10 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
                                 int64_t p) {
   using vf = typename Vec<L>::f;
   using vu = typename Vec<L>::u;
+  using Lay = Layout<F>;
   constexpr int V = kNR / L;
-  constexpr bool kQ41 = F == panel::kQ4_1;
-  constexpr int kRows = kQ41 ? 8 : 4;
-  constexpr int kScales = kQ41 ? 2 : 1;
-  const int64_t nb = a.K / 32;
+  constexpr int kRows = Lay::kRows;
+  const int64_t nb = a.K / Lay::kValues;
   const GroupBlocks<NP, F> blk(a, p);
   vf sums[NP][MR][V];
 #pragma GCC unroll 2
@@ -234,19 +311,22 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
       for (int m = 0; m < MR; ++m) acc[j][m] = vf{};
     for (int64_t b = 0; b < nb; ++b) {
       if (h == 0) blk.prefetch(b);  // the second half finds them in L1 or L2
+      const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
+      for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
       for (int g = 0; g < 32 / kRows; ++g) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
           const uint8_t* bj = blk.at(j, b);
-          const float* dp = reinterpret_cast<const float*>(bj);
-          const uint8_t* q = bj + kScales * kNR * 4;
-          const vf d = loadu<L>(dp + h * L), mn = kQ41 ? loadu<L>(dp + kNR + h * L) : vf{};
+          const float* dp = scales.of(bj, j, s);
+          const uint8_t* q = Lay::words(bj, s);
+          const vf d = loadu<L>(dp + h * L);
+          const vf mn = Lay::kNibbles ? loadu<L>(dp + kNR + h * L) : vf{};
           vu words;
           std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
           for (int t = 0; t < kRows; ++t) {
-            const int64_t k = b * 32 + kRows * g + t;
+            const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
             const vf w = in_register(weight_row<L, F>(words, t, d, mn));
 #pragma GCC unroll 16
             for (int m = 0; m < MR; ++m) acc[j][m] += w * xr[m][k];
@@ -292,7 +372,7 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   const float* xr[MR];  // the chunk's rows
 #pragma GCC unroll 64
   for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.K;
-  if constexpr (L == 8 && (MR >= 3 || F == panel::kQ4_1)) {
+  if constexpr (L == 8 && (MR >= 3 || Layout<F>::kNibbles)) {
     constexpr int HNP = MR <= 2 ? 4 : 1;  // 2 or 4 panels at 3-4 rows: 1.24-1.8x the time
     gguf_half_groups<L, MR, HNP, F>(a, xr, r0, p0, p1);
   } else {
@@ -336,39 +416,41 @@ template <int L, Format F>
 FT_INLINE void decode(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, float* out) {
   using vf = typename Vec<L>::f;
   using vu = typename Vec<L>::u;
+  using Lay = Layout<F>;
   constexpr int V = kNR / L;
-  constexpr bool kQ41 = F == panel::kQ4_1;
-  constexpr int64_t kBlock = kQ41 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
-  constexpr int kRows = kQ41 ? 8 : 4;
-  constexpr int kScales = kQ41 ? 2 : 1;
-  const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
+  constexpr int kRows = Lay::kRows;
+  const int64_t nb = K / Lay::kValues, P = (N + kNR - 1) / kNR;
   // In the order the blocks lie (a group's blocks interleave, block_index): one forward stream.
   for (int64_t g0 = p0 / kGroup * kGroup; g0 < p1; g0 += kGroup) {
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t p = std::max(g0, p0); p < std::min({g0 + kGroup, p1, P}); ++p) {
         float* o = out + (p - p0) * K * kNR;
-        const uint8_t* bj = w + block_index(p, b, nb, P) * kBlock;
-        const float* dp = reinterpret_cast<const float*>(bj);
-        const uint8_t* q = bj + kScales * kNR * 4;
-        vf d[V], mn[V];
+        const uint8_t* bj = w + block_index(p, b, nb, P) * Lay::kBytes;
+        const BlockScales<L, 1, F> scales([&](int) { return bj; });
+        for (int s = 0; s < Lay::kSubs; ++s) {
+          const float* dp = scales.of(bj, 0, s);
+          const uint8_t* q = Lay::words(bj, s);
+          vf d[V], mn[V];
 #pragma GCC unroll 64
-        for (int v = 0; v < V; ++v) {
-          d[v] = loadu<L>(dp + v * L);
-          mn[v] = kQ41 ? loadu<L>(dp + kNR + v * L) : vf{};
-        }
+          for (int v = 0; v < V; ++v) {
+            d[v] = loadu<L>(dp + v * L);
+            mn[v] = Lay::kNibbles ? loadu<L>(dp + kNR + v * L) : vf{};
+          }
 #pragma GCC unroll 8
-        for (int g = 0; g < 32 / kRows; ++g) {
-          vu words[V];
+          for (int g = 0; g < 32 / kRows; ++g) {
+            vu words[V];
 #pragma GCC unroll 64
-          for (int v = 0; v < V; ++v)
-            std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+            for (int v = 0; v < V; ++v)
+              std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
-          for (int t = 0; t < kRows; ++t)
+            for (int t = 0; t < kRows; ++t)
 #pragma GCC unroll 64
-            for (int v = 0; v < V; ++v) {
-              const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
-              std::memcpy(o + (b * 32 + kRows * g + t) * kNR + v * L, &r, sizeof r);
-            }
+              for (int v = 0; v < V; ++v) {
+                const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
+                const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
+                std::memcpy(o + k * kNR + v * L, &r, sizeof r);
+              }
+          }
         }
       }
     }
@@ -399,8 +481,9 @@ void decode_any(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_t p1, 
 }
 
 // Registers: AVX-512 holds 16 rows' accumulators and the block's vectors in its 32 (one panel
-// at a time from 8 rows: 8 chains); AVX2 up to 8 rows a chunk by half panels (Q8_0's
-// 1-2 rows: 2 rows in 16); SSE2 (four vectors a panel row) 1.
+// at a time from 8 rows: 8 chains); AVX2 the 1-7 rows of its steps (gguf_few_rows) in one chunk
+// by half panels (Q8_0's 1-2 rows: 2 rows in 16; 8 rows' half panels took 1.5x 7 rows' time);
+// SSE2 (four vectors a panel row) 1.
 // NOTE: 16 rows, not 8: 9-16 rows in one chunk dequantize each block once, not twice
 // (SmolLM2's layer linears at 12 rows: 13.7 -> 7.7 ms, 16 rows: 13.4 -> 9.9). Steps of at most
 // 8 rows (decode) keep a function of their own, the code they had before.
@@ -414,7 +497,7 @@ FT_TARGET_AVX512 void run_avx512_16(const Args& a, int64_t p0, int64_t p1) {
 }
 template <Format F>
 FT_TARGET_AVX2 void run_avx2(const Args& a, int64_t p0, int64_t p1) {
-  run<8, 8, F>(a, p0, p1);
+  run<8, 7, F>(a, p0, p1);
 }
 template <Format F>
 void run_base(const Args& a, int64_t p0, int64_t p1) {
@@ -431,7 +514,7 @@ Kernel pick_kernel(int64_t M) {
   const Isa isa = current_isa();  // cpuid-checked; follows set_cpu_isa
   if (isa == Isa::kAvx512)
     return M <= 8 ? Kernel{&run_avx512<F>, 8} : Kernel{&run_avx512_16<F>, 16};
-  if (isa == Isa::kAvx2) return {&run_avx2<F>, 8};
+  if (isa == Isa::kAvx2) return {&run_avx2<F>, 7};
   return {&run_base<F>, 1};
 }
 
@@ -458,11 +541,33 @@ void release_pages(const uint8_t* lo, const uint8_t* hi) {
 // GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero. `release`:
 // the rows are a file's memory map, whose pages are unmapped as they are consumed (so packing a
 // 30 MB lm_head does not hold its 30 MB of file pages until the end as well).
-void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N, int64_t K,
+// Block b of GGUF row j's Q4_K block `s` into panel block `out` (module comment: the layout).
+void fill_q4_k(const uint8_t* s, int j, uint8_t* out) {
+  float* d = reinterpret_cast<float*>(out);
+  d[j] = half_at(s);
+  d[kNR + j] = half_at(s + 2);
+  uint32_t* scale_words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
+  for (int sb = 0; sb < 8; ++sb) {
+    int sc = 0, mn = 0;
+    gguf_blocks::scale_min_k4(s + 4, sb, &sc, &mn);
+    scale_words[(sb / 2) * kNR + j] |= static_cast<uint32_t>(sc | mn << 8) << (16 * (sb & 1));
+    // sub-block sb's weight l: nibble (sb & 1) of byte 32 (sb / 2) + l of qs
+    const uint8_t* qs = s + 16 + 32 * (sb / 2);
+    uint32_t* words = reinterpret_cast<uint32_t*>(out + 384 + sb * 256);
+    for (int l = 0; l < 32; ++l) {
+      const uint32_t q = (qs[l] >> (4 * (sb & 1))) & 15;
+      words[(l / 8) * kNR + j] |= q << (4 * (l % 8));
+    }
+  }
+}
+
+template <Format F>
+void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K,
                       uint8_t* dst, bool release) {
-  const int64_t nb = K / 32, P = (N + kNR - 1) / kNR;
-  const int64_t block = f == panel::kQ4_1 ? kQ4_1BlockBytes : kQ8_0BlockBytes;
-  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
+  using Lay = Layout<F>;
+  const int64_t nb = K / Lay::kValues, P = (N + kNR - 1) / kNR;
+  const int64_t block = Lay::kBytes, source = Lay::kSourceBytes;
+  const panel::Format f = F;
   constexpr int64_t kReleasePanels = 256;
   std::memset(dst, 0, P * nb * block);
   for (int64_t p = 0; p < P; ++p) {
@@ -473,6 +578,10 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N
       float* d = reinterpret_cast<float*>(out);
       for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
         const uint8_t* s = src + (p * kNR + j) * row_bytes + b * source;
+        if (f == panel::kQ4_K) {
+          fill_q4_k(s, j, out);
+          continue;
+        }
         d[j] = half_at(s);
         if (f == panel::kQ4_1) {
           d[kNR + j] = half_at(s + 2);
@@ -496,17 +605,21 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, Format f, int64_t N
 
 at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K,
                          bool release_rows) {
-  const Format f = type == "Q4_1" ? panel::kQ4_1 : panel::kQ8_0;
-  TORCH_CHECK(type == "Q4_1" || type == "Q8_0", "pack_gguf_panels: type must be Q4_1 or Q8_0, "
-              "got ", type);
+  TORCH_CHECK(type == "Q4_1" || type == "Q8_0" || type == "Q4_K",
+              "pack_gguf_panels: type must be Q4_1, Q8_0 or Q4_K, got ", type);
+  const Format f = type == "Q4_1" ? panel::kQ4_1 : type == "Q8_0" ? panel::kQ8_0 : panel::kQ4_K;
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
               "pack_gguf_panels: blocks must be a 2-D uint8 CPU tensor [N, row bytes]");
-  TORCH_CHECK(K >= 32 && K % 32 == 0 && K <= INT32_MAX,
-              "pack_gguf_panels: K must be a positive multiple of 32, got ", K);
+  const int64_t values = panel::block_values(f);
+  TORCH_CHECK(K >= values && K % values == 0 && K <= INT32_MAX,
+              "pack_gguf_panels: K must be a positive multiple of ", values, " for ", type,
+              ", got ", K);
   const int64_t N = blocks.size(0);
-  const int64_t source = f == panel::kQ4_1 ? kQ4_1SourceBytes : kQ8_0SourceBytes;
-  TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / 32 * source,
-              "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / 32 * source,
+  const int64_t source = f == panel::kQ4_1   ? kQ4_1SourceBytes
+                         : f == panel::kQ8_0 ? kQ8_0SourceBytes
+                                             : kQ4_KSourceBytes;
+  TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / values * source,
+              "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / values * source,
               " bytes; blocks is [", N, ", ", blocks.size(1), "]");
   TORCH_CHECK(!release_rows || blocks.is_contiguous(),
               "pack_gguf_panels: release_rows needs contiguous rows (a view of the file's map)");
@@ -516,26 +629,41 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
                              blocks.options());
   panel::advise_huge_pages(out.data_ptr(), out.numel());
   panel::write_header(out, N, K, f);
-  fill_gguf_panels(src.data_ptr<uint8_t>(), src.size(1), f, N, K,
-                   out.data_ptr<uint8_t>() + panel::kHeaderBytes, release_rows);
+  uint8_t* dst = out.data_ptr<uint8_t>() + panel::kHeaderBytes;
+  const auto fill = f == panel::kQ4_1   ? &fill_gguf_panels<panel::kQ4_1>
+                    : f == panel::kQ8_0 ? &fill_gguf_panels<panel::kQ8_0>
+                                        : &fill_gguf_panels<panel::kQ4_K>;
+  fill(src.data_ptr<uint8_t>(), src.size(1), N, K, dst, release_rows);
   return out;
 }
 
 namespace panel {
 
+// NOTE: measured on SmolLM2's layer linears, 2 threads. AVX-512 (a Sapphire-Rapids-class Xeon),
+// time against the fp32 panels: in registers 0.57 / 0.91 / 0.98 / 1.02 / 1.08 at 9 / 16 / 48 /
+// 64 / 96 rows, decoded 1.01 / 1.00 / 1.01 at 48 / 64 / 96 and 1.03 at 224 (the decoding itself
+// is ~2 % of that call). AVX2 (Zen 3), decoded against in registers (scripts/
+// bench_gguf_linear.py, two runs): 1-7 rows 1.2-1.6x the time, 8 rows 0.75x, 16 rows 0.59x,
+// 48 rows 0.46x; the 1B file's Q4_K at 8 / 16 / 48 rows: likewise.
+int64_t gguf_few_rows() { return current_isa() == Isa::kAvx2 ? 7 : 48; }
+
 void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
                         float* out) {
   if (h.format == kQ4_1) {
     decode_any<kQ4_1>(panels, h.N, h.K, p0, p1, out);
-  } else {
+  } else if (h.format == kQ8_0) {
     decode_any<kQ8_0>(panels, h.N, h.K, p0, p1, out);
+  } else {
+    decode_any<kQ4_K>(panels, h.N, h.K, p0, p1, out);
   }
 }
 
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0);
-  const Kernel kern = h.format == kQ4_1 ? pick_kernel<kQ4_1>(M) : pick_kernel<kQ8_0>(M);
+  const Kernel kern = h.format == kQ4_1   ? pick_kernel<kQ4_1>(M)
+                      : h.format == kQ8_0 ? pick_kernel<kQ8_0>(M)
+                                          : pick_kernel<kQ4_K>(M);
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.

@@ -18,6 +18,8 @@ import torch
 
 from freetoken import ops
 from freetoken.loader.memory import check_fits
+from freetoken.loader.progress import progress as show_progress
+from freetoken.loader.progress import progress_done
 from freetoken.model import LlamaForCausalLM, ModelConfig, build_model
 from freetoken.model.linear import block_panels_wanted, gguf_blocks_wanted, gguf_in_place
 
@@ -123,9 +125,9 @@ def load_model(
         nbytes, types = fp32_bytes(reader), matrix_types(reader)
         if gguf_in_place(dtype, device, nbytes, types):  # stay in the file's blocks
             weights, matrices = read_in_place(reader, config, progress=progress)
-            if block_panels_wanted(nbytes, types):
-                for matrix in matrices.values():
-                    matrix.block_panels = True
+            panel_types = block_panels_wanted(nbytes, types)
+            for matrix in matrices.values():
+                matrix.block_panels = set(matrix.types) <= panel_types
         else:
             weights, matrices = read_weights(reader, config, progress=progress), None
             # fp32 on the CPU keeps the Q4_1 / Q8_0 blocks too, for steps of few rows (exact).
@@ -147,8 +149,16 @@ def load_model(
             f"model path {path} is neither a .gguf file nor a directory with "
             f"config.json and *.safetensors"
         )
+    packing = time.perf_counter()
+
+    def on_packed(done: int, total: int) -> None:
+        show_progress(f"packing {done}/{total} projections "
+                      f"({time.perf_counter() - packing:.1f}s)")
+        if done == total:
+            progress_done()
+
     model = build_model(config, weights, dtype=dtype, device=device, matrices=matrices,
-                        blocks=blocks)
+                        blocks=blocks, on_packed=on_packed if progress else None)
     del weights, matrices, blocks
     num_params = model.num_parameters()
     elapsed_s = time.perf_counter() - start

@@ -50,10 +50,11 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: str, reader=None) -> We
         if gguf_in_place(dtype, device, 4 * params, types):
             detail = (f"{params / 1e9:.2f}B parameters in the file's blocks, "
                       f"{file_bytes / GiB:.1f} GiB memory-mapped")
-            extra = _block_panel_extra(tensors, tied) \
-                if block_panels_wanted(4 * params, types) else 0
+            panel_types = block_panels_wanted(4 * params, types)
+            extra = _block_panel_extra(tensors, tied, panel_types)
             if extra:
-                detail += f", {extra / GiB:.2f} GiB more as Q4_1 / Q8_0 block panels"
+                detail += (f", {extra / GiB:.2f} GiB more as {'/'.join(sorted(panel_types))} "
+                           "block panels")
             return WeightBytes(file_bytes + extra, detail)
     else:
         params, matrices, tied, lm_head, _ = _safetensors_counts(path)
@@ -133,16 +134,17 @@ def _gguf_counts(tensors) -> tuple[int, int, bool, int, int, int]:
     return params, matrices, "output.weight" not in names, embed, file_bytes, blocks
 
 
-def _block_panel_extra(tensors, tied: bool) -> int:
-    """The bytes the Q4_1 / Q8_0 matrices' block panels (model/linear.py GGUFMatrix.pack) hold
-    beyond the file's blocks they replace; a tied embedding's blocks stay mapped for its lookups
-    beside the lm_head's panels."""
-    from freetoken.model.linear import GGUF_BLOCK_TYPES, block_panel_bytes
+def _block_panel_extra(tensors, tied: bool, panel_types) -> int:
+    """The bytes the block panels of the matrices of `panel_types` (model/linear.py
+    GGUFMatrix.pack) hold beyond the file's blocks they replace; a tied embedding's blocks stay
+    mapped for its lookups beside the lm_head's panels. (A fused q|k|v of mixed types stays in
+    place: its parts are counted as panels all the same, a slight overestimate.)"""
+    from freetoken.model.linear import block_panel_bytes
 
     extra = 0
     for t in tensors:
         kind = t.tensor_type.name
-        if len(t.shape) != 2 or kind not in GGUF_BLOCK_TYPES:
+        if len(t.shape) != 2 or kind not in panel_types:
             continue
         in_features, out_features = (int(n) for n in t.shape)
         panels = block_panel_bytes(kind, out_features, in_features)

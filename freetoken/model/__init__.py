@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from freetoken import ops
 from freetoken.model.config import ModelConfig
-from freetoken.model.linear import FEW_ROWS, GGUFBlocks, GGUFMatrix, few_rows_form
+from freetoken.model.linear import (
+    FEW_ROWS,
+    GGUFBlocks,
+    GGUFMatrix,
+    few_rows_form,
+    packed_form,
+)
 from freetoken.model.llama import GGUFEmbedding, LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
@@ -23,6 +30,7 @@ def build_model(
     device: torch.device | str = "cpu",
     matrices: dict[str, GGUFMatrix] | None = None,
     blocks: dict[str, GGUFBlocks] | None = None,
+    on_packed: Callable[[int, int], None] | None = None,
 ) -> LlamaForCausalLM:
     """Every supported architecture (llama, mistral, qwen2, qwen3) is the Llama shape.
 
@@ -30,7 +38,8 @@ def build_model(
     tensor from `weights` (consumed), on `device` in `dtype`. On CPU the projections are then
     packed (panels for fp32; oneDNN for bf16), with a second form for steps of few rows: the
     GGUF blocks in `blocks` (consumed) for fp32, panels for bf16; or, for the names in
-    `matrices` (consumed), left in their GGUF blocks (model/linear.py).
+    `matrices` (consumed), left in their GGUF blocks (model/linear.py). `on_packed(done, total)`:
+    called as the projections are packed (the loader's progress line).
     """
     matrices = dict(matrices or {})
     with torch.device("meta"):
@@ -47,7 +56,10 @@ def build_model(
                                          else [])  # a tied lm_head packs the embedding's
     int8_types = sorted({t for m in linears if m.int8_ready() for t in m.types})
     exact_types = sorted({t for m in linears if not m.int8_ready() for t in m.types})
-    form = model.pack_linears(matrices, blocks)
+    form = model.pack_linears(matrices, blocks, on_packed=on_packed)
+    weights = [m.weight for m, _ in model.projections()] + [
+        model.lm_head.weight if model.lm_head is not None else model.lm_head_packed
+        if model.lm_head_packed is not None else model.lm_head_weight]
     if ops.config().compute == "int8":
         logger.info("linear layers: int8 compute mode: %s weights' codes repacked for integer dot "
                     "products (%s), activations quantized to int8 per block of 32 (256 for "
@@ -56,14 +68,15 @@ def build_model(
                     and ops.cpu_isa() == "avx512" else "AVX2" if ops.cpu_isa() != "base"
                     else "portable loop", f"; {'/'.join(exact_types)} weights computed exact "
                     "(no int8 kernel)" if exact_types else "")
-    elif form == "block panels":
-        repacked = sorted({t for m in linears if m.block_panels_ready() for t in m.types})
+    elif repacked := sorted({ops.gguf_panel_type(w) for w in weights} - {None}):
+        in_place = sum(packed_form(w) == "gguf" for w in weights)
         logger.info("linear layers: the GGUF's %s blocks regrouped into panels of 16 outputs "
                     "(one copy; the file's pages unmapped)%s, decoded exactly in freetoken._C "
                     "(%s): in registers for short steps, into fp32 a block of panels at a time for "
                     "long ones; fp32 FMAs in one summation order for every step size",
-                    "/".join(repacked), "; " + "/".join(sorted(set(types) - set(repacked))) +
-                    " blocks in place" if set(types) - set(repacked) else "", ops.cpu_isa())
+                    "/".join(repacked), f"; {in_place} of {len(weights)} matrices (other types, "
+                    "or a q|k|v of mixed types) in the file's blocks in place" if in_place else "",
+                    ops.cpu_isa())
     elif form == "gguf":
         logger.info("linear layers: the GGUF's %s blocks in place (memory-mapped, no fp32 copy), "
                     "decoded exactly in freetoken._C (%s), fp32 FMAs in one summation order for "

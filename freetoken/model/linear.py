@@ -13,22 +13,23 @@ panels' order, and the in-place kernel's, never depends on the row count: a row'
 same whatever steps beside it (batch invariance: docs/api.md, Determinism).
 
 A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32, or under it whose
-matrices are all Q4_1 / Q8_0 (fp32 on the CPU with freetoken._C, linear "auto"; "gguf" whatever
-the file), is
+matrices all have block panels (Q4_1 / Q8_0 / Q4_K; fp32 on the CPU with freetoken._C, linear
+"auto"; "gguf" whatever the file), is
 never dequantized whole (gguf_in_place): its weights stay in the file's blocks where its
 read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py), every step size
 computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
 summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file serves in ~1 GB
 instead of ~5.5, SmolLM2 (Q4_1) in under 400 MiB instead of ~1.05 GiB. GGUFMatrix.pack gives each
 matrix its form:
-  * Q4_1 / Q8_0 of such a small file under "auto" (block_panels_wanted): the blocks regrouped
-    into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a repacked copy at
-    1.2x / 1.06x the file's bytes, whose pages of the file are then unmapped). Short steps
-    dequantize them in registers, long ones decode a block of panels at a time into fp32 for
-    the fp32 panels' micro-kernels: the fp32 panels' bits and, measured on SmolLM2, at most
-    their time (0.40-1.01x by row count);
-  * the other types, and every type under "gguf": the descriptor of the blocks in place
-    (ops.gguf_matrix, csrc/linear/gguf_linear.cpp);
+  * under "auto" and the exact mode, a matrix of one of block_panels_wanted's types (a small
+    file: all of them; a larger one: its Q4_1 / Q4_K, LARGE_BLOCK_PANEL_TYPES): the blocks
+    regrouped into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a repacked
+    copy at 1.2x / 1.06x / 1.06x the file's bytes, whose pages of the file are then unmapped).
+    Short steps dequantize them in registers, long ones decode a block of panels at a time into
+    fp32 for the fp32 panels' micro-kernels: the fp32 panels' bits and, measured on SmolLM2, at
+    most their time (0.40-1.01x by row count);
+  * the other types (a q|k|v of mixed types too), and every type under "gguf": the descriptor
+    of the blocks in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp);
   * in the int8 compute mode (ops.configure(compute="int8")): int8 matrices (ops.int8_matrix, a
     repacked copy of their codes at about the file's size, the file's pages unmapped once it
     exists); the types without an int8 kernel keep the descriptor.
@@ -63,7 +64,15 @@ from freetoken import ops
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-GGUF_BLOCK_TYPES = ops.GGUF_PANEL_TYPES  # ("Q4_1", "Q8_0")
+# The types whose blocks a weight dequantized at load keeps beside it for steps of few rows
+# (GGUFBlocks, pack_few_rows); block panels (GGUFMatrix) take every type of ops.GGUF_PANEL_TYPES.
+GGUF_BLOCK_TYPES = ("Q4_1", "Q8_0")
+# NOTE: a file over IN_PLACE_MIN_BYTES keeps its Q8_0 matrices in place: on a 1B-shaped Q8_0
+# file's first 4 layers (scripts/bench_gguf_linear.py) one row took 1.17x the in-place kernel's
+# time as block panels (8 rows 0.72x, 224 rows 0.84x), and a one-stream regression is not traded
+# for the rest unmeasured. Its Q4_K (1B Q4_K_M, Zen 3, AVX2) as block panels: one row 1.06x, 4
+# rows 1.11x, 8 rows 0.81x, 48 rows 0.83x, 224 rows 0.77x.
+LARGE_BLOCK_PANEL_TYPES = ("Q4_1", "Q4_K")
 
 # NOTE: below this a GGUF with matrices of other types than Q4_1 / Q8_0 keeps an fp32 copy: it
 # fits easily, and the in-place kernels were slower on SmolLM2 (classify 0.76x, decode 8
@@ -134,12 +143,13 @@ class GGUFMatrix:
 
     def block_panels_ready(self) -> bool:
         """True when this weight becomes GGUF-block panels (`block_panels`, set by the loader
-        where block_panels_wanted; one type of GGUF_BLOCK_TYPES): Q4_1 / Q8_0 blocks regrouped
+        where block_panels_wanted; one type of ops.GGUF_PANEL_TYPES): the blocks regrouped
         per 16 outputs, which every step size computes with (few rows dequantize in registers,
         many rows decode a block of panels at a time for the fp32 micro-kernels) in the fp32
         panels' summation order."""
         return self.block_panels and len(set(self.types)) == 1 \
-            and self.types[0] in GGUF_BLOCK_TYPES and self.in_features % 32 == 0
+            and self.types[0] in ops.GGUF_PANEL_TYPES \
+            and self.in_features % (256 if self.types[0] == "Q4_K" else 32) == 0
 
     def pack(self) -> torch.Tensor:
         """What panel_linear computes with: the int8 matrix (ops.int8_matrix) where
@@ -195,11 +205,13 @@ class GGUFMatrix:
 
 
 def block_panel_bytes(type: str, out_features: int, in_features: int) -> int:  # noqa: A002
-    """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0):
-    a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and 16 fp32 mins)
-    and the 512 codes (4 or 8 bits)."""
-    block = {"Q4_1": 2 * 64 + 256, "Q8_0": 64 + 512}[type]
-    return 64 + -(-out_features // 16) * (in_features // 32) * block
+    """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0 /
+    Q4_K): a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and 16
+    fp32 mins) and the 512 codes (4 or 8 bits); Q4_K per 16 outputs and 256 inputs 16 fp32 d,
+    16 fp32 dmin, 256 bytes of 6-bit scales and mins, and the 4096 nibbles."""
+    values, block = {"Q4_1": (32, 2 * 64 + 256), "Q8_0": (32, 64 + 512),
+                     "Q4_K": (256, 2 * 64 + 256 + 2048)}[type]
+    return 64 + -(-out_features // 16) * (in_features // values) * block
 
 
 @functools.cache
@@ -211,26 +223,36 @@ def gguf_in_place(dtype: torch.dtype, device: torch.device | str, fp32_bytes: in
                   matrix_types: set[str] | frozenset[str] = frozenset()) -> bool:
     """True when a GGUF's weights (`fp32_bytes` as fp32; its 2-D weights of `matrix_types`) of
     `dtype` on `device` are never dequantized whole here: fp32 on the CPU extension, linear
-    "gguf", or "auto" above IN_PLACE_MIN_BYTES or where block_panels_wanted; the loader
-    dequantizes them otherwise."""
+    "gguf", or "auto" above IN_PLACE_MIN_BYTES or where block_panels_wanted (a small file whose
+    matrices all have block panels); the loader dequantizes them otherwise."""
     mode = ops.config().linear
     int8 = ops.config().compute == "int8"  # the int8 kernels read the blocks' codes
     return (mode == "gguf" or int8 or (mode == "auto" and fp32_bytes > IN_PLACE_MIN_BYTES)
-            or block_panels_wanted(fp32_bytes, matrix_types)) \
+            or bool(block_panels_wanted(fp32_bytes, matrix_types))) \
         and dtype == torch.float32 and torch.device(device).type == "cpu" \
         and ops.panel_linear_available(torch.empty(0))
 
 
-def block_panels_wanted(fp32_bytes: int, matrix_types: set[str] | frozenset[str]) -> bool:
-    """True when a GGUF (`fp32_bytes` as fp32, 2-D weights of `matrix_types`) keeps its matrices
-    only as block panels (GGUFMatrix.pack): linear "auto", the exact mode, every matrix Q4_1 /
-    Q8_0, and at most IN_PLACE_MIN_BYTES as fp32 (SmolLM2). NOTE: not above it, where the
-    descriptors in place stay: on a 1B-shaped Q8_0 file's first 4 layers (scripts/
-    bench_gguf_linear.py) one row took 1.17x the in-place kernel's time as block panels, 8 rows
-    0.72x, 224 rows 0.84x; a one-stream regression is not traded for the rest unmeasured."""
-    return ops.config().linear == "auto" and ops.config().compute == "exact" \
-        and fp32_bytes <= IN_PLACE_MIN_BYTES and bool(matrix_types) \
-        and set(matrix_types) <= set(GGUF_BLOCK_TYPES)
+def block_panel_types(fp32_bytes: int, matrix_types: set[str] | frozenset[str]
+                      ) -> frozenset[str]:
+    """The types whose matrices (one type each) a GGUF (`fp32_bytes` as fp32, 2-D weights of
+    `matrix_types`) keeps only as block panels (GGUFMatrix.pack), by size alone: at most
+    IN_PLACE_MIN_BYTES as fp32 (SmolLM2), all of them where every matrix has block panels
+    (ops.GGUF_PANEL_TYPES), else none (the file is dequantized at load); above it its
+    LARGE_BLOCK_PANEL_TYPES, the rest staying in place."""
+    types = frozenset(matrix_types)
+    if fp32_bytes <= IN_PLACE_MIN_BYTES:
+        return types if types and types <= set(ops.GGUF_PANEL_TYPES) else frozenset()
+    return types & frozenset(LARGE_BLOCK_PANEL_TYPES)
+
+
+def block_panels_wanted(fp32_bytes: int, matrix_types: set[str] | frozenset[str]
+                        ) -> frozenset[str]:
+    """block_panel_types under linear "auto" and the exact mode (empty otherwise, and so false):
+    the types the loader marks for block panels (GGUFMatrix.block_panels)."""
+    if ops.config().linear != "auto" or ops.config().compute != "exact":
+        return frozenset()
+    return block_panel_types(fp32_bytes, matrix_types)
 
 
 def gguf_blocks_wanted(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -11,6 +11,7 @@ block tables come in the ForwardBatch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -339,21 +340,25 @@ class LlamaForCausalLM(nn.Module):
             yield layer.mlp.down_proj, [p + "mlp.down_proj.weight"]
 
     def pack_linears(self, matrices: dict[str, GGUFMatrix] | None = None,
-                     blocks: dict[str, GGUFBlocks] | None = None) -> str:
+                     blocks: dict[str, GGUFBlocks] | None = None,
+                     on_packed: Callable[[int, int], None] | None = None) -> str:
         """Pack every projection and the lm_head (CPU; panels or oneDNN, see model/linear.py),
         with the GGUF blocks of their weights (`blocks`, HF names; consumed) as the form for few
         rows where those serve; or give them the descriptors of their GGUF blocks in place
         (`matrices`, HF names; consumed). A tied lm_head gets its own packed copy (the embedding
         lookup needs the plain rows: vocab x hidden more memory), or the embedding's blocks'
         descriptor. Returns the form: "gguf", "panels", "onednn", or "plain" (nothing changed:
-        packing is not available)."""
+        packing is not available). `on_packed(done, total)` is called after each projection
+        (the loader's progress line: repacking a 1B file's blocks takes ~2 s)."""
         matrices = matrices if matrices is not None else {}
         blocks = blocks if blocks is not None else {}
         if not matrices and not packing_available(self.norm.weight):
             return "plain"
-        for module, names in self.projections():
+        for i, (module, names) in enumerate(self.projections()):
             module.pack(GGUFMatrix.fuse([matrices.pop(n, None) for n in names]),
                         GGUFBlocks.fuse([blocks.pop(n, None) for n in names]))
+            if on_packed is not None:
+                on_packed(i + 1, 4 * len(self.layers))
         if self.lm_head is not None:
             self.lm_head.pack(matrices.pop("lm_head.weight", None),
                               blocks.pop("lm_head.weight", None))

@@ -43,26 +43,29 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _C.panel_pack(weight.detach())
 
 
-GGUF_PANEL_TYPES = ("Q4_1", "Q8_0")
-_GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights in the GGUF file
+GGUF_PANEL_TYPES = ("Q4_1", "Q8_0", "Q4_K")  # in the order of their header codes 2, 3, 4
+# (weights, bytes) of a block in the GGUF file
+_GGUF_BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 
 
 def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A002
                      release_rows: bool = False) -> torch.Tensor:
-    """A weight W [N, K] as its GGUF file stores it (rows [N, K / 32 * block bytes] uint8 of
-    `type`, one of GGUF_PANEL_TYPES) -> packed panels (1-D uint8, the pack_panels header with
-    dtype 2 / 3) for panel_linear with fp32 x. Each weight is dequantized in registers to exactly
-    the fp32 value gguf.quants.dequantize gives (csrc/linear/quant_linear_cpu.cpp).
+    """A weight W [N, K] as its GGUF file stores it (rows [N, K / block values * block bytes]
+    uint8 of `type`, one of GGUF_PANEL_TYPES) -> packed panels (1-D uint8, the pack_panels
+    header with dtype 2 / 3 / 4) for panel_linear with fp32 x. Each weight is dequantized in
+    registers to exactly the fp32 value gguf.quants.dequantize gives
+    (csrc/linear/quant_linear_cpu.cpp).
     `release_rows`: `rows` is a contiguous view of a file's read-only memory map, whose pages are
     unmapped from the process as they are consumed (never pass anything else: anonymous memory
     would be zeroed)."""
     require_ext("pack_gguf_panels")
     if type not in GGUF_PANEL_TYPES:
         raise ValueError(f"pack_gguf_panels: type must be one of {GGUF_PANEL_TYPES}, got {type!r}")
-    if not isinstance(in_features, int) or in_features < 32 or in_features % 32:
-        raise ValueError(f"pack_gguf_panels: in_features must be a positive multiple of 32, "
-                         f"got {in_features!r}")
-    row_bytes = in_features // 32 * _GGUF_BLOCK_BYTES[type]
+    values, block_bytes = _GGUF_BLOCKS[type]
+    if not isinstance(in_features, int) or in_features < values or in_features % values:
+        raise ValueError(f"pack_gguf_panels: in_features must be a positive multiple of "
+                         f"{values} for {type}, got {in_features!r}")
+    row_bytes = in_features // values * block_bytes
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 \
             or rows.device.type != "cpu" or rows.shape[0] == 0 or rows.shape[1] != row_bytes:
         raise ValueError(f"pack_gguf_panels: rows must be a uint8 CPU tensor [N >= 1, "
@@ -71,8 +74,8 @@ def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A
 
 
 def gguf_panel_type(packed: torch.Tensor) -> str | None:
-    """"Q4_1" / "Q8_0" for a tensor from pack_gguf_panels, None for one from pack_panels (or a
-    gguf_matrix descriptor)."""
+    """"Q4_1" / "Q8_0" / "Q4_K" for a tensor from pack_gguf_panels, None for one from pack_panels
+    (or a gguf_matrix descriptor)."""
     from freetoken.ops.gguf import is_gguf_matrix
 
     if packed.dtype != torch.uint8 or is_gguf_matrix(packed):

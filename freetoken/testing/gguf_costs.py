@@ -65,16 +65,23 @@ def _by_type(pairs) -> dict[str, int]:
 
 def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
     """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads (linear "auto").
-    A model over IN_PLACE_MIN_BYTES as fp32 computes on the file's blocks in place; one under it
-    whose matrices are all Q4_1 / Q8_0 on them as block panels (model/linear.py
-    block_panels_wanted); any other is dequantized at load (_dequantized_step_weights).
+    A model over IN_PLACE_MIN_BYTES as fp32 computes on the file's blocks, its Q4_1 / Q4_K
+    matrices as block panels, the rest in place; one under it whose matrices all have block
+    panels on those (model/linear.py block_panel_types); any other is dequantized at load
+    (_dequantized_step_weights).
     `block_types`: the types of the blocks kept (in place: those the kernel takes; dequantized:
     Q4_1 / Q8_0)."""
-    from freetoken.model.linear import GGUF_BLOCK_TYPES, IN_PLACE_MIN_BYTES, block_panel_bytes
+    from freetoken.model.linear import (
+        GGUF_BLOCK_TYPES,
+        IN_PLACE_MIN_BYTES,
+        block_panel_bytes,
+        block_panel_types,
+    )
 
     matrix_types = {t["type"] for t in s["step_tensors"] if t["dims"] >= 2}
     small = 4 * s["params"] <= IN_PLACE_MIN_BYTES
-    if small and not matrix_types <= set(GGUF_BLOCK_TYPES):
+    panel_types = block_panel_types(4 * s["params"], matrix_types)
+    if small and not panel_types:
         return _dequantized_step_weights(
             s, GGUF_BLOCK_TYPES if block_types is None else block_types)
     if block_types is None:
@@ -84,7 +91,7 @@ def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
     forms = []
     for parts in _fused_groups(s):
         types = {t["type"] for t in parts}
-        panels = small and len(types) == 1 and types <= set(GGUF_BLOCK_TYPES)
+        panels = len(types) == 1 and types <= panel_types
         for t in parts:
             if t["dims"] < 2:
                 forms.append((f"{t['type']} vectors", t["bytes"]))

@@ -13,7 +13,7 @@ import torch
 
 from freetoken.engine.generate import build_forward_batch
 from freetoken.loader import load_model
-from freetoken.testing.gguf_files import write
+from freetoken.testing.gguf_files import use_more_bits, write
 
 FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
            "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "q4_k_m"]
@@ -74,3 +74,43 @@ def test_in_place_equals_the_dequantized_model(tmp_path, shape, fmt, ops_config)
         out[mode] = torch.stack(steps)
     diff = float((out["gguf"] - out["panels"]).abs().max())
     assert diff < 1e-5, (shape, fmt, diff)
+
+
+def test_a_large_files_q4_k_matrices_are_block_panels(tmp_path, ops_config, monkeypatch):
+    """Over IN_PLACE_MIN_BYTES as fp32 (here: any size) "auto" gives a Q4_K_M file's matrices of
+    Q4_K alone block panels, and keeps its Q6_K ones, and a q|k|v of mixed types, in place: the
+    block panels sum in the fp32 panels' order, so the logits stay those of the model
+    dequantized at load within 1e-5, for a prefill and the decode steps after it."""
+    import freetoken.model.linear as linear_module
+    from freetoken import ops
+    from freetoken.model.linear import packed_form
+
+    path = tmp_path / "tiny.q4_k_m.gguf"
+    write(str(path), "tiny", "q4_k_m", seed=7)
+    out = {}
+    for mode in ("auto", "panels"):
+        ops_config(linear=mode)
+        with monkeypatch.context() as m:
+            m.setattr(linear_module, "IN_PLACE_MIN_BYTES", 0)
+            loaded = load_model(path, progress=False, load_tokenizer=False)
+        if mode == "auto" and ops.panel_linear_available(torch.empty(1)):
+            forms = {}
+            n_layers = len(loaded.model.layers)
+            for module, names in loaded.model.projections():
+                form = packed_form(module.weight)
+                forms.setdefault(form, []).append(names[0])
+                layer = int(names[0].split(".")[2])
+                q6 = use_more_bits(layer, n_layers) and any(
+                    n.endswith(("v_proj.weight", "down_proj.weight")) for n in names)
+                assert form == ("gguf" if q6 else "block panels"), (names, form)
+                if form == "block panels":
+                    assert ops.gguf_panel_type(module.weight) == "Q4_K"
+            assert set(forms) == {"gguf", "block panels"}
+        kv = loaded.model.make_kv_cache(4, BLOCK_SIZE)
+        steps = [logits(loaded, PROMPT, kv)]
+        for i in range(4):
+            batch = build_forward_batch([([5 + i], len(PROMPT) + i, [0, 1])], BLOCK_SIZE)
+            steps.append(loaded.model.compute_logits(loaded.model.forward(batch, kv))[0])
+        out[mode] = torch.stack(steps)
+    diff = float((out["auto"] - out["panels"]).abs().max())
+    assert diff < 1e-5, diff

@@ -1,4 +1,4 @@
-"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0
+"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0 / Q4_K
 blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
 loader's dequantization gives (gguf.quants), on every ISA variant; the products are held to an
 fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit for bit.
@@ -18,10 +18,13 @@ pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
                                 reason="freetoken._C with panel_linear not built")
 
 RTOL = 1e-5  # as tests/test_panel_linear.py: |y - ref| <= RTOL * (|x| @ |W|^T + |b|)
-# Rows up to which the GGUF kernel and the fp32 panels use the same chunks and partial sums.
-TYPES = ["Q4_1", "Q8_0"]
+TYPES = ["Q4_1", "Q8_0", "Q4_K"]
+VALUES = {"Q4_1": 32, "Q8_0": 32, "Q4_K": 256}  # k a block holds
 
 
+def k_for(type_: str, k: int) -> int:
+    """The test's k for a 32-value type, scaled to a multiple of the type's block."""
+    return k * VALUES[type_] // 32
 
 
 @pytest.fixture(params=[1, 2])
@@ -33,10 +36,11 @@ def threads(request):
 
 
 def random_blocks(type_: str, n: int, k: int, seed: int = 0):
-    """Random GGUF rows [n, k / 32 * block bytes] -> (rows uint8 tensor, the loader's fp32 W).
-    Scales cover fp16's range: normal, subnormal, zero and negative values."""
+    """Random GGUF rows [n, k / block values * block bytes] -> (rows uint8 tensor, the loader's
+    fp32 W). Scales cover fp16's range: normal, subnormal, zero and negative values (Q4_K: d and
+    dmin, then random 6-bit scales and mins)."""
     rng = np.random.default_rng(seed)
-    nb = n * k // 32
+    nb = n * k // VALUES[type_]
     scales = rng.standard_normal((nb, 2)).astype(np.float32) * 0.05
     scales[rng.random((nb, 2)) < 0.05] = 3e-7  # fp16 subnormal
     scales[rng.random((nb, 2)) < 0.02] = 0.0
@@ -44,6 +48,8 @@ def random_blocks(type_: str, n: int, k: int, seed: int = 0):
     half = scales.astype(np.float16).view(np.uint8).reshape(nb, 4)
     if type_ == "Q4_1":
         raw = np.concatenate([half, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
+    elif type_ == "Q4_K":  # d, dmin, 12 bytes of packed scales, 128 of nibbles
+        raw = np.concatenate([half, rng.integers(0, 256, (nb, 140), dtype=np.uint8)], axis=1)
     else:
         raw = np.concatenate([half[:, :2], rng.integers(0, 256, (nb, 32), dtype=np.uint8)],
                              axis=1)
@@ -61,6 +67,7 @@ def weights_of(packed: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("type_", TYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (17, 96), (40, 576)])
 def test_weights_are_the_loaders_bit_for_bit(isa, type_, n, k):
+    k = k_for(type_, k)
     rows, w = random_blocks(type_, n, k, seed=n + k)
     packed = ops.pack_gguf_panels(rows, type_, k)
     assert ops.panel_shape(packed) == (n, k) and ops.gguf_panel_type(packed) == type_
@@ -84,6 +91,7 @@ def test_the_real_models_tensors_bit_for_bit(smollm2_path):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 37, 64])
 @pytest.mark.parametrize("n,k", [(17, 64), (200, 576), (1536, 576)])
 def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
+    k = k_for(type_, k)
     rows, w = random_blocks(type_, n, k, seed=3)
     g = torch.Generator().manual_seed(m * 31 + n)
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -99,13 +107,15 @@ def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
 @pytest.mark.parametrize("type_", TYPES)
 @pytest.mark.parametrize("n", [100, 1000])
 def test_same_sums_as_the_fp32_panels(isa, threads, type_, n):
-    rows, w = random_blocks(type_, n, 576, seed=5)
-    blocks, plain = ops.pack_gguf_panels(rows, type_, 576), ops.pack_panels(w)
-    # every row count, on every ISA, both paths of the GGUF panels (in registers up to 48 rows,
-    # a block of panels decoded into fp32 past that; n = 1000: several blocks a thread): the
-    # fp32 panels' bits, so a step's row count never changes a row's result (issue 23)
+    k = 576 if VALUES[type_] == 32 else 2048  # Q4_K: the 1B file's hidden size
+    rows, w = random_blocks(type_, n, k, seed=5)
+    blocks, plain = ops.pack_gguf_panels(rows, type_, k), ops.pack_panels(w)
+    # every row count, on every ISA, both paths of the GGUF panels (in registers up to 7 rows
+    # on AVX2, 48 elsewhere, a block of panels decoded into fp32 past that; n = 1000: several
+    # blocks a thread): the fp32 panels' bits, so a step's row count never changes a row's
+    # result (issue 23)
     for m in [*range(1, 18), 31, 48, 49, 64, 231]:
-        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         b = torch.randn(n, generator=torch.Generator().manual_seed(n))
         assert torch.equal(ops.panel_linear(x, blocks), ops.panel_linear(x, plain)), m
         assert torch.equal(ops.panel_linear(x, blocks, b), ops.panel_linear(x, plain, b)), m
@@ -117,16 +127,17 @@ def test_packing_from_a_file_map_unmaps_its_pages(tmp_path, type_):
     consumed (the loader's way: the repacked copy is then the one copy resident). The panels
     are those packed from a copy, and the map still reads right afterwards (the pages refault
     from the page cache)."""
-    rows, _ = random_blocks(type_, 5000, 64, seed=9)  # ~200-340 KB: several release steps
+    k = k_for(type_, 64)
+    rows, _ = random_blocks(type_, 5000, k, seed=9)  # ~200-720 KB: several release steps
     path = tmp_path / "rows.bin"
     rows.numpy().tofile(path)
     view = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r",
                                       shape=tuple(rows.shape)))
-    packed = ops.pack_gguf_panels(view, type_, 64, release_rows=True)
-    assert torch.equal(packed, ops.pack_gguf_panels(rows, type_, 64))
+    packed = ops.pack_gguf_panels(view, type_, k, release_rows=True)
+    assert torch.equal(packed, ops.pack_gguf_panels(rows, type_, k))
     assert torch.equal(view, rows)
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops.pack_gguf_panels(view[::2], type_, 64, release_rows=True)
+        ops.pack_gguf_panels(view[::2], type_, k, release_rows=True)
 
 
 def test_the_packed_form_survives_clone_and_save(tmp_path):
@@ -141,9 +152,11 @@ def test_the_packed_form_survives_clone_and_save(tmp_path):
 def test_bad_inputs_are_refused():
     rows, _ = random_blocks("Q4_1", 16, 64)
     with pytest.raises(ValueError, match="type must be one of"):
-        ops.pack_gguf_panels(rows, "Q4_K", 64)
+        ops.pack_gguf_panels(rows, "Q6_K", 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         ops.pack_gguf_panels(rows, "Q4_1", 48)
+    with pytest.raises(ValueError, match="multiple of 256 for Q4_K"):
+        ops.pack_gguf_panels(rows, "Q4_K", 64)
     with pytest.raises(ValueError, match=r"\[N >= 1, 40\]"):
         ops.pack_gguf_panels(rows[:, :30], "Q4_1", 64)
     with pytest.raises(ValueError, match="uint8"):
