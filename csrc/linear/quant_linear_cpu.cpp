@@ -1,6 +1,6 @@
 // The panel linear over GGUF blocks: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in
-// the GGUF file's Q4_1 or Q8_0 blocks and each weight is dequantized in registers to exactly the
-// fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
+// the GGUF file's Q4_1, Q8_0 or Q4_K blocks and each weight is dequantized in registers to exactly
+// the fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
 //
 // Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
 // layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
@@ -10,15 +10,17 @@
 //
 // Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
 // d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
-// once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit.
+// once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit. Q4_K
+// is Q4_1 per sub-block of 32 once its scales are expanded (expand_k_scales).
 //
 // Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into
 // blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
 // j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
-// the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7. A row is then a shift and a mask (Q8_0: two
-// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The
-// blocks of each group of 4 panels interleave, block by block (block_index), so the kernel
-// reads a group as one stream.
+// the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7; Q4_K (blocks of 256 k): d[16], dmin[16]
+// fp32, 4 x 16 words of scales and mins (two sub-blocks' 6-bit sc | m << 8 each), then the 8
+// sub-blocks' words as Q4_1's. A row is then a shift and a mask (Q8_0: two shifts, the second
+// arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The blocks of each group of
+// 4 panels interleave, block by block (block_index), so the kernel reads a group as one stream.
 //
 // Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of panels
 // at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
