@@ -85,8 +85,9 @@ int64_t panel_bytes(Format format, int64_t K);
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y);
 
-// Panels [p0, p1) of GGUF-block panels (h.format kQ4_1 / kQ8_0 / kQ4_K; `panels` = the first panel's
-// first byte) decoded to their exact fp32 weights, as fp32 panels [p1 - p0][K][kNR] at `out`.
+// Panels [p0, p1) of GGUF-block panels (h.format kQ4_1 / kQ8_0 / kQ4_K; `panels` = the first
+// panel's first byte) decoded to their exact fp32 weights, as fp32 panels [p1 - p0][K][kNR] at
+// `out`.
 // Defined in quant_linear_cpu.cpp; linear_cpu.cpp's many-rows path runs over them.
 void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
                         float* out);

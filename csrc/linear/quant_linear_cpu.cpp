@@ -22,8 +22,9 @@
 // arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The blocks of each group of
 // 4 panels interleave, block by block (block_index), so the kernel reads a group as one stream.
 //
-// Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of panels
-// at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels on it.
+// Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of
+// panels at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels
+// on it.
 //
 // Micro-kernel: as the fp32 panels': MR rows of x (read in place), MR x 16 accumulators a panel,
 // up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 one
@@ -62,7 +63,7 @@ namespace {
 
 constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
-constexpr int64_t kQ4_KSourceBytes = 144;  // GGUF: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles
+constexpr int64_t kQ4_KSourceBytes = 144;  // GGUF: fp16 d, dmin, 12 bytes of scales, 128 nibbles
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
 // NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
 // every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
@@ -112,7 +113,6 @@ struct Layout {
     return block + (F == panel::kQ4_1 ? 128 : F == panel::kQ8_0 ? 64 : 384 + s * 256);
   }
 };
-
 
 // float(w & 15) in each lane. On 16 lanes it is one vpermps from the table 0..15, which reads
 // only an index's low 4 bits: no mask and no convert (__builtin_shuffle takes its indices
@@ -174,7 +174,7 @@ FT_INLINE void expand_k_scales(const uint8_t* block, float* out) {
 }
 
 // The [d[16], m[16]] of sub-block s of a block of panel j of NP: the block's own (Q4_1, Q8_0),
-// or for Q4_K those expand_k_scales made once per block (at = the block's first byte).
+// or for Q4_K those expand_k_scales made once per block (at(j): panel j's block).
 template <int L, int NP, Format F>
 struct BlockScales {
   static constexpr bool kExpanded = F == panel::kQ4_K;
