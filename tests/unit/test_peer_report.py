@@ -159,10 +159,21 @@ def test_bytes_per_step_count_the_files_own_k_quant_blocks(tiny_q4_k_m):
     blocks = cb.decode_bytes(s, ("Q4_K", "Q6_K"))["freetoken-fp32"]
     qkv1 = nbytes("Q4_K", h, h) + nbytes("Q4_K", kv, h) + nbytes("Q6_K", kv, h)
     assert blocks["weights"] == s["gguf_step_bytes"] - qkv1 + 4 * (h * h + 2 * kv * h)
-    # a model over 1 GiB as fp32 computes in place: the file's blocks, mixed q|k|v included
+    # a model over 1 GiB as fp32 computes on the file's blocks: its Q4_K matrices as block
+    # panels (model/linear.py LARGE_BLOCK_PANEL_TYPES; 1.06x their bytes), the rest in place
+    # (layer 1's mixed q|k|v and Q6_K down, the Q6_K output)
+    from freetoken.model.linear import block_panel_bytes
+
+    def panels(rows, cols):
+        return block_panel_bytes("Q4_K", rows, cols)
+
     big = {**s, "params": (1 << 30) // 4 + 1}
-    assert cb.decode_bytes(big, ("Q4_K", "Q6_K"))["freetoken-fp32"]["weights"] == \
-        s["gguf_step_bytes"]
+    in_place = {0: 0, 1: qkv1 + nbytes("Q6_K", h, f)}
+    repacked = {0: panels(h, h) * 2 + panels(kv, h) * 2 + panels(f, h) * 2 + panels(h, f),
+                1: panels(h, h) + panels(f, h) * 2}
+    big_fp32 = cb.decode_bytes(big, ("Q4_K", "Q6_K"))["freetoken-fp32"]
+    assert big_fp32["weights"] == sum(in_place.values()) + sum(repacked.values()) + norms + output
+    assert "Q4_K block panels" in big_fp32["weights_read_as"]
     assert cb.decode_bytes(s, ("Q4_K", "Q6_K"))["llama-server"]["weights"] == \
         s["gguf_step_bytes"]
 
