@@ -61,9 +61,11 @@ using panel::Vec;
 
 namespace {
 
-constexpr int64_t kQ4_1SourceBytes = 20;  // GGUF: fp16 d, fp16 m, 16 bytes of nibbles
-constexpr int64_t kQ8_0SourceBytes = 34;  // GGUF: fp16 d, 32 int8
-constexpr int64_t kQ4_KSourceBytes = 144;  // GGUF: fp16 d, dmin, 12 bytes of scales, 128 nibbles
+// A GGUF block's bytes: Q4_1 fp16 d, m and 16 bytes of nibbles; Q8_0 fp16 d and 32 int8; Q4_K
+// fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles.
+constexpr int64_t source_bytes(Format f) {
+  return f == panel::kQ4_1 ? 20 : f == panel::kQ8_0 ? 34 : 144;
+}
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
 // NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
 // every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
@@ -105,9 +107,6 @@ struct Layout {
   static constexpr int64_t kBytes = F == panel::kQ4_1   ? kQ4_1BlockBytes
                                     : F == panel::kQ8_0 ? kQ8_0BlockBytes
                                                         : kQ4_KBlockBytes;
-  static constexpr int64_t kSourceBytes = F == panel::kQ4_1   ? kQ4_1SourceBytes
-                                          : F == panel::kQ8_0 ? kQ8_0SourceBytes
-                                                              : kQ4_KSourceBytes;
   // sub-block s's 32 / kRows x 16 words in a block
   static FT_INLINE const uint8_t* words(const uint8_t* block, int s) {
     return block + (F == panel::kQ4_1 ? 128 : F == panel::kQ8_0 ? 64 : 384 + s * 256);
@@ -149,19 +148,19 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
 // Q4_K: a block's 8 sub-blocks' scales as [d * sc[16], -dmin * m[16]] each at out, so that
 // weight_row's q * d + m is gguf's (d * sc) * q - dmin * m: d * sc and dmin * m are exact
 // (11 x 6 significant bits), and so is their product with q, so both round once, at the end.
+// Only lanes [v0 L, v1 L) are written (a half panel reads its own half).
 template <int L>
-FT_INLINE void expand_k_scales(const uint8_t* block, float* out) {
+FT_INLINE void expand_k_scales(const uint8_t* block, float* out, int v0, int v1) {
   using vf = typename Vec<L>::f;
   using vu = typename Vec<L>::u;
   using vi = typename Vec<L>::i;
-  constexpr int V = kNR / L;
   const float* d = reinterpret_cast<const float*>(block);
   const uint8_t* words = block + 2 * kNR * 4;  // [s / 2][16]: sc, m of s even, then of s odd
 #pragma GCC unroll 8
   for (int s = 0; s < 8; ++s) {
     const unsigned shift = 16 * (s & 1);
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
+    for (int v = v0; v < v1; ++v) {
       vu w;
       std::memcpy(&w, words + ((s / 2) * kNR + v * L) * 4, sizeof w);
       const vf sc = __builtin_convertvector(vi((w >> shift) & 255u), vf);
@@ -174,18 +173,21 @@ FT_INLINE void expand_k_scales(const uint8_t* block, float* out) {
 }
 
 // The [d[16], m[16]] of sub-block s of a block of panel j of NP: the block's own (Q4_1, Q8_0),
-// or for Q4_K those expand_k_scales made once per block (at(j): panel j's block).
+// or for Q4_K those expand_k_scales made once per block (at(j): panel j's block; lanes
+// [v0 L, v1 L) of each, all by default).
 template <int L, int NP, Format F>
 struct BlockScales {
   static constexpr bool kExpanded = F == panel::kQ4_K;
   alignas(64) float expanded[kExpanded ? NP * 8 * 32 : 1];
   template <typename At>
-  FT_INLINE explicit BlockScales(const At& at) {
+  FT_INLINE explicit BlockScales(const At& at, int v0 = 0, int v1 = kNR / L) {
     if constexpr (kExpanded) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j) expand_k_scales<L>(at(j), expanded + j * 256);
+      for (int j = 0; j < NP; ++j) expand_k_scales<L>(at(j), expanded + j * 256, v0, v1);
     } else {
       (void)at;
+      (void)v0;
+      (void)v1;
     }
   }
   FT_INLINE const float* of(const uint8_t* block, int j, int s) const {
@@ -307,13 +309,10 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
 #pragma GCC unroll 2
   for (int h = 0; h < V; ++h) {
     vf acc[NP][MR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) acc[j][m] = vf{};
+    panel::zero(acc);
     for (int64_t b = 0; b < nb; ++b) {
       if (h == 0) blk.prefetch(b);  // the second half finds them in L1 or L2
-      const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
+      const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); }, h, h + 1);
       for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
       for (int g = 0; g < 32 / kRows; ++g) {
@@ -568,7 +567,7 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t 
                       uint8_t* dst, bool release) {
   using Lay = Layout<F>;
   const int64_t nb = K / Lay::kValues, P = (N + kNR - 1) / kNR;
-  const int64_t block = Lay::kBytes, source = Lay::kSourceBytes;
+  const int64_t block = Lay::kBytes, source = source_bytes(F);
   const panel::Format f = F;
   constexpr int64_t kReleasePanels = 256;
   std::memset(dst, 0, P * nb * block);
@@ -617,9 +616,7 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
               "pack_gguf_panels: K must be a positive multiple of ", values, " for ", type,
               ", got ", K);
   const int64_t N = blocks.size(0);
-  const int64_t source = f == panel::kQ4_1   ? kQ4_1SourceBytes
-                         : f == panel::kQ8_0 ? kQ8_0SourceBytes
-                                             : kQ4_KSourceBytes;
+  const int64_t source = source_bytes(f);
   TORCH_CHECK(N >= 1 && N <= INT32_MAX && blocks.size(1) == K / values * source,
               "pack_gguf_panels: ", type, " rows of K = ", K, " are ", K / values * source,
               " bytes; blocks is [", N, ", ", blocks.size(1), "]");
