@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A GGUF's layer linears computed in place (ops.gguf_matrix, csrc/linear/gguf_linear.cpp)
 against the same weights dequantized into fp32 panels (ops.pack_panels), as block panels
-(ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp: Q4_1 / Q8_0 / Q4_K, the other types
-in place) and, with --int8, the int8 compute mode
+(ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp: Q4_1 / Q8_0 / Q4_K / Q6_K, the other
+types in place) and, with --int8, the int8 compute mode
 (ops.int8_matrix, csrc/linear/int8_linear.cpp), by step size: every layer's
 matrices called once per step, in order, so each weight comes from DRAM as in a forward. The
 forms take turns step by step; medians of --repeats. GF/s = 2 x rows x weights / time (int8:
@@ -10,10 +10,10 @@ integer ops); with --int8 the int8 bound is measured first (the int8 loop's inst
 registers, --threads threads, best of 5) and each int8 rate is also given as its fraction.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
-        [--rows 1 8 64 224] [--layers N] [--threads 2] [--no-panels] [--int8]
+        [--rows 1 8 64 224] [--layers N] [--types Q6_K ...] [--threads 2] [--no-panels] [--int8]
 
---layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --no-panels: no
-fp32 panels. Progress goes to stderr; stdout gets the table and, last, one JSON line.
+--layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --types: only the
+matrices of these GGUF types; --no-panels: no fp32 panels. Progress goes to stderr; stdout gets the table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from freetoken import ops  # noqa: E402
 from freetoken.loader import default_model_path  # noqa: E402
 
 
-def load_forms(path: str, layers: int | None, panels: bool, int8: bool) -> list[dict]:
+def load_forms(path: str, layers: int | None, panels: bool, int8: bool,
+               types: list[str] | None = None) -> list[dict]:
     """[{k, n, type, in_place, panels, int8}] for every 2-D tensor of the first `layers`
-    layers."""
+    layers (of `types` only, where given)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -48,6 +49,8 @@ def load_forms(path: str, layers: int | None, panels: bool, int8: bool) -> list[
         if not t.name.startswith("blk.") or len(t.shape) != 2:
             continue
         if layers is not None and int(t.name.split(".")[1]) >= layers:
+            continue
+        if types and t.tensor_type.name not in types:
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
         offsets = torch.arange(n) * (int(t.n_bytes) // n) + int(t.data_offset)
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 224])
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--types", nargs="+", default=None, help="only these GGUF types")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-panels", action="store_true")
@@ -88,7 +92,9 @@ def main() -> None:
         bound = max(ops.int8_peak_gops(2_000_000, args.threads) for _ in range(5))
         print(f"int8 bound: {bound:.0f} GOP/s ({args.threads} threads of register "
               f"{ops.int8_bound_loop()})")
-    forms = load_forms(path, args.layers, not args.no_panels, args.int8)
+    forms = load_forms(path, args.layers, not args.no_panels, args.int8, args.types)
+    if not forms:
+        sys.exit(f"no layer matrices of {args.types} in {path}")
     names = ["in_place"] + ([] if args.no_panels else ["panels"]) \
         + (["block_panels"] if any(f["block_panels"] is not f["in_place"] for f in forms)
            else []) \

@@ -397,6 +397,7 @@ int64_t panel_bytes(Format format, int64_t K) {
     case kQ4_1: return K / 32 * kQ4_1BlockBytes;
     case kQ8_0: return K / 32 * kQ8_0BlockBytes;
     case kQ4_K: return K / 256 * kQ4_KBlockBytes;
+    case kQ6_K: return K / 256 * kQ6_KBlockBytes;
   }
   return -1;
 }
@@ -424,7 +425,7 @@ Header read_header(const at::Tensor& packed, const char* op) {
   const at::ScalarType want = format == kF32 ? at::kFloat
                               : format == kBF16 ? at::kBFloat16
                               : at::kByte;
-  TORCH_CHECK(format >= kF32 && format <= kQ4_K && want == t,
+  TORCH_CHECK(format >= kF32 && format <= kQ6_K && want == t,
               op, ": packed's header names another format than its tensor's dtype");
   const Header hd{h[2], h[3], h[5], format, off};
   TORCH_CHECK(hd.N >= 1 && hd.K >= 1 &&
@@ -564,6 +565,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& packed,
     case panel::kQ4_1:
     case panel::kQ8_0:
     case panel::kQ4_K:
+    case panel::kQ6_K:
       if (M <= panel::gguf_few_rows()) {
         panel::gguf_panel_linear(x, packed, h, b, y);
         return y;

@@ -25,20 +25,22 @@ constexpr int32_t kVersion = 1;
 constexpr int64_t kHeaderBytes = 64;    // so panels stay 64-byte aligned
 // Header word 6: what the panels hold. fp32 / bf16 in a tensor of that dtype; GGUF blocks in a
 // uint8 tensor.
-enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4_K = 4 };
+enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4_K = 4, kQ6_K = 5 };
 // GGUF blocks, regrouped per panel (csrc/linear/quant_linear_cpu.cpp): Q4_1 (32 k) as d[16],
 // m[16] (fp32) then the nibbles in 4 x 16 uint32 words; Q8_0 (32 k) as d[16] then the int8s in
 // 8 x 16 words; Q4_K (256 k) as d[16], dmin[16] (fp32), the 6-bit scales and mins in 4 x 16
-// words, then its 8 sub-blocks' nibbles as Q4_1's. The blocks of each group of 4 panels
-// interleave (quant_linear_cpu.cpp: block_index).
+// words, then its 8 sub-blocks' nibbles as Q4_1's; Q6_K (256 k) as d[16] (fp32), the int8
+// scales of its 16 sub-blocks of 16 k as [16][16] bytes, then its codes less 32 as [256][16]
+// int8. The blocks of each group of 4 panels interleave (quant_linear_cpu.cpp: block_index).
 constexpr int64_t kQ4_1BlockBytes = 64 + 64 + 16 * 16;
 constexpr int64_t kQ8_0BlockBytes = 64 + 32 * 16;
 constexpr int64_t kQ4_KBlockBytes = 64 + 64 + 4 * 64 + 8 * 16 * 16;
+constexpr int64_t kQ6_KBlockBytes = 64 + 4 * 64 + 256 * 16;
 // k a block of `format` holds (GGUF-block formats only)
-constexpr int64_t block_values(Format format) { return format == kQ4_K ? 256 : 32; }
-constexpr bool is_gguf_blocks(Format format) {
-  return format == kQ4_1 || format == kQ8_0 || format == kQ4_K;
+constexpr int64_t block_values(Format format) {
+  return format == kQ4_K || format == kQ6_K ? 256 : 32;
 }
+constexpr bool is_gguf_blocks(Format format) { return format >= kQ4_1 && format <= kQ6_K; }
 // GGUF-block panels: steps of at most gguf_few_rows() rows dequantize in registers per row
 // chunk (quant_linear_cpu.cpp); longer ones decode each L2-sized block of panels once into fp32
 // for the fp32 micro-kernels (linear_cpu.cpp run_decoded). Both give the fp32 panels' bits.
@@ -81,14 +83,14 @@ void write_header(const at::Tensor& out, int64_t N, int64_t K, Format format);
 int64_t panel_bytes(Format format, int64_t K);
 
 // y [M, N] (fp32, allocated) = x [M, K] fp32 @ W^T (+ bias) over GGUF-block panels (h.format
-// kQ4_1 / kQ8_0 / kQ4_K). Defined in quant_linear_cpu.cpp; panel_linear_cpu dispatches to it.
+// kQ4_1 / kQ8_0 / kQ4_K / kQ6_K). Defined in quant_linear_cpu.cpp; panel_linear_cpu dispatches
+// to it.
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y);
 
-// Panels [p0, p1) of GGUF-block panels (h.format kQ4_1 / kQ8_0 / kQ4_K; `panels` = the first
-// panel's first byte) decoded to their exact fp32 weights, as fp32 panels [p1 - p0][K][kNR] at
-// `out`.
-// Defined in quant_linear_cpu.cpp; linear_cpu.cpp's many-rows path runs over them.
+// Panels [p0, p1) of GGUF-block panels (h.format kQ4_1 / kQ8_0 / kQ4_K / kQ6_K; `panels` = the
+// first panel's first byte) decoded to their exact fp32 weights, as fp32 panels [p1 - p0][K][kNR]
+// at `out`. Defined in quant_linear_cpu.cpp; linear_cpu.cpp's many-rows path runs over them.
 void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
                         float* out);
 

@@ -1,5 +1,5 @@
 // The panel linear over GGUF blocks: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in
-// the GGUF file's Q4_1, Q8_0 or Q4_K blocks and each weight is dequantized in registers to exactly
+// the GGUF file's Q4_1, Q8_0, Q4_K or Q6_K blocks and each weight is dequantized in registers to exactly
 // the fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
 //
 // Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
@@ -11,14 +11,18 @@
 // Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
 // d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
 // once, as gguf's `(d * qs) + m` in numpy float32 does: the same fp32 weight, bit for bit. Q4_K
-// is Q4_1 per sub-block of 32 once its scales are expanded (expand_k_scales).
+// is Q4_1 per sub-block of 32 once its scales are expanded (expand_k_scales); Q6_K is Q8_0 per
+// sub-block of 16, its q the code less 32 and its d gguf's d * sc (expand_k6_scales): d * sc
+// holds at most 11 + 8 significant bits and q at most 6, so both products are exact.
 //
 // Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into
 // blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
 // j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7; Q4_K (blocks of 256 k): d[16], dmin[16]
 // fp32, 4 x 16 words of scales and mins (two sub-blocks' 6-bit sc | m << 8 each), then the 8
-// sub-blocks' words as Q4_1's. A row is then a shift and a mask (Q8_0: two shifts, the second
+// sub-blocks' words as Q4_1's; Q6_K (blocks of 256 k): d[16] fp32, the 16 sub-blocks' int8
+// scales as [16][16] bytes, then the codes less 32 as int8, [256][16] bytes (a row of 16 is
+// one sign-extending load, byte_row). A row is then a shift and a mask (Q8_0: two shifts, the second
 // arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The blocks of each group of
 // 4 panels interleave, block by block (block_index), so the kernel reads a group as one stream.
 //
@@ -55,6 +59,7 @@ using panel::in_register;
 using panel::kNR;
 using panel::kQ4_1BlockBytes;
 using panel::kQ4_KBlockBytes;
+using panel::kQ6_KBlockBytes;
 using panel::kQ8_0BlockBytes;
 using panel::loadu;
 using panel::Vec;
@@ -62,9 +67,10 @@ using panel::Vec;
 namespace {
 
 // A GGUF block's bytes: Q4_1 fp16 d, m and 16 bytes of nibbles; Q8_0 fp16 d and 32 int8; Q4_K
-// fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles.
+// fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles; Q6_K 128 bytes of the codes'
+// low nibbles, 64 of their high 2 bits, 16 int8 scales, fp16 d.
 constexpr int64_t source_bytes(Format f) {
-  return f == panel::kQ4_1 ? 20 : f == panel::kQ8_0 ? 34 : 144;
+  return f == panel::kQ4_1 ? 20 : f == panel::kQ8_0 ? 34 : f == panel::kQ4_K ? 144 : 210;
 }
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
 // NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
@@ -96,20 +102,27 @@ struct Args {
   int64_t M, N, K;
 };
 
-// A format's panel blocks: kValues k each, in sub-blocks of 32 k whose weights are q * d + m
-// (Q8_0: q * d), their codes packed kRows k to a 32-bit word.
+// A format's panel blocks: kValues k each, in sub-blocks of kSubValues k whose weights are
+// q * d + m (int8 codes: q * d), their codes packed kRows k to a 32-bit word (kByteRows: as
+// [k][16] bytes, taken kRows rows at a time).
 template <Format F>
 struct Layout {
-  static constexpr bool kNibbles = F != panel::kQ8_0;  // 4-bit codes, else int8
+  static constexpr bool kNibbles = F == panel::kQ4_1 || F == panel::kQ4_K;  // else int8 codes
+  static constexpr bool kByteRows = F == panel::kQ6_K;
   static constexpr int kRows = kNibbles ? 8 : 4;
   static constexpr int64_t kValues = panel::block_values(F);
-  static constexpr int kSubs = static_cast<int>(kValues / 32);
+  static constexpr int kSubValues = F == panel::kQ6_K ? 16 : 32;
+  static constexpr int kSubs = static_cast<int>(kValues / kSubValues);
   static constexpr int64_t kBytes = F == panel::kQ4_1   ? kQ4_1BlockBytes
                                     : F == panel::kQ8_0 ? kQ8_0BlockBytes
-                                                        : kQ4_KBlockBytes;
-  // sub-block s's 32 / kRows x 16 words in a block
+                                    : F == panel::kQ4_K ? kQ4_KBlockBytes
+                                                        : kQ6_KBlockBytes;
+  // sub-block s's kSubValues / kRows x 16 words in a block
   static FT_INLINE const uint8_t* words(const uint8_t* block, int s) {
-    return block + (F == panel::kQ4_1 ? 128 : F == panel::kQ8_0 ? 64 : 384 + s * 256);
+    return block + (F == panel::kQ4_1   ? 128
+                    : F == panel::kQ8_0 ? 64
+                    : F == panel::kQ4_K ? 384 + s * 256
+                                        : 320 + s * 256);
   }
 };
 
@@ -129,7 +142,7 @@ FT_INLINE typename Vec<L>::f nibble(typename Vec<L>::u w) {
   }
 }
 
-// Row t of a group of packed words as fp32 weights (module comment: the layout). Q4_1: the
+// Row t of a group of packed words as fp32 weights (module comment: the layout). Q4_1, Q4_K: the
 // nibble at bits 4 t, times d, plus m. Q8_0: the byte at bits 8 t moved to the top, then an
 // arithmetic shift down, times d.
 template <int L, Format F>
@@ -142,6 +155,45 @@ FT_INLINE typename Vec<L>::f weight_row(typename Vec<L>::u word, int t, typename
   } else {
     (void)m;
     return __builtin_convertvector(vi(word << (24 - 8 * t)) >> 24, vf) * d;
+  }
+}
+
+// L int8 at p as fp32 lanes. NOTE: one vpmovsxbd (inline asm: GCC 12 scalarizes a widening
+// __builtin_convertvector from int8 lanes), where taking a byte of 32-bit words costs two
+// shifts: on AVX-512 the shifts and the convert all wait for port 0. The bytes come in by a
+// plain load: with a memory operand GCC kept the accumulators in memory around the asm.
+template <int L>
+FT_INLINE typename Vec<L>::f byte_row(const uint8_t* p) {
+  using vi = typename Vec<L>::i;
+  typedef int8_t bytes __attribute__((vector_size(16)));
+  vi q;
+  if constexpr (L == 16 || L == 8) {
+    bytes b{};
+    std::memcpy(&b, p, L);
+    if constexpr (L == 16)
+      asm("vpmovsxbd %1, %0" : "=v"(q) : "x"(b));
+    else
+      asm("vpmovsxbd %1, %0" : "=x"(q) : "x"(b));
+  } else {
+#pragma GCC unroll 16
+    for (int l = 0; l < L; ++l) q[l] = static_cast<int8_t>(p[l]);
+  }
+  return __builtin_convertvector(q, typename Vec<L>::f);
+}
+
+// Row r of a sub-block's codes at q, lanes [v L, v L + L), as fp32 weights: from `word` (its
+// rows' 32-bit words, weight_row) or, for kByteRows, from the row's bytes.
+template <int L, Format F>
+FT_INLINE typename Vec<L>::f row_weights(const uint8_t* q, typename Vec<L>::u word, int r, int v,
+                                         typename Vec<L>::f d, typename Vec<L>::f m) {
+  if constexpr (Layout<F>::kByteRows) {
+    (void)word;
+    (void)m;
+    return byte_row<L>(q + r * kNR + v * L) * d;
+  } else {
+    (void)q;
+    (void)v;
+    return weight_row<L, F>(word, r % Layout<F>::kRows, d, m);
   }
 }
 
@@ -172,18 +224,40 @@ FT_INLINE void expand_k_scales(const uint8_t* block, float* out, int v0, int v1)
   }
 }
 
-// The [d[16], m[16]] of sub-block s of a block of panel j of NP: the block's own (Q4_1, Q8_0),
-// or for Q4_K those expand_k_scales made once per block (at(j): panel j's block; lanes
-// [v0 L, v1 L) of each, all by default).
+// Q6_K: a block's 16 sub-blocks' d * sc[16] at out (gguf's d * scales: 11 x 8 significant
+// bits, exact, and so is its product with a code less 32), lanes [v0 L, v1 L) only.
+template <int L>
+FT_INLINE void expand_k6_scales(const uint8_t* block, float* out, int v0, int v1) {
+  using vf = typename Vec<L>::f;
+  const float* d = reinterpret_cast<const float*>(block);
+  const uint8_t* sc = block + kNR * 4;  // [16 sub-blocks][16] int8
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {
+#pragma GCC unroll 4
+    for (int v = v0; v < v1; ++v) {
+      const vf ds = loadu<L>(d + v * L) * byte_row<L>(sc + s * kNR + v * L);
+      std::memcpy(out + s * kNR + v * L, &ds, sizeof ds);
+    }
+  }
+}
+
+// The [d[16], m[16]] of sub-block s of a block of panel j of NP (int8 codes: d[16] alone): the
+// block's own (Q4_1, Q8_0), or for Q4_K / Q6_K those expand_k_scales / expand_k6_scales made
+// once per block (at(j): panel j's block; lanes [v0 L, v1 L) of each, all by default).
 template <int L, int NP, Format F>
 struct BlockScales {
-  static constexpr bool kExpanded = F == panel::kQ4_K;
-  alignas(64) float expanded[kExpanded ? NP * 8 * 32 : 1];
+  static constexpr bool kExpanded = F == panel::kQ4_K || F == panel::kQ6_K;
+  static constexpr int kPerSub = F == panel::kQ4_K ? 2 * kNR : kNR;  // floats a sub-block
+  static constexpr int kPerBlock = Layout<F>::kSubs * kPerSub;
+  alignas(64) float expanded[kExpanded ? NP * kPerBlock : 1];
   template <typename At>
   FT_INLINE explicit BlockScales(const At& at, int v0 = 0, int v1 = kNR / L) {
-    if constexpr (kExpanded) {
+    if constexpr (F == panel::kQ4_K) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j) expand_k_scales<L>(at(j), expanded + j * 256, v0, v1);
+      for (int j = 0; j < NP; ++j) expand_k_scales<L>(at(j), expanded + j * kPerBlock, v0, v1);
+    } else if constexpr (F == panel::kQ6_K) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) expand_k6_scales<L>(at(j), expanded + j * kPerBlock, v0, v1);
     } else {
       (void)at;
       (void)v0;
@@ -193,7 +267,7 @@ struct BlockScales {
   FT_INLINE const float* of(const uint8_t* block, int j, int s) const {
     if constexpr (kExpanded) {
       (void)block;
-      return expanded + j * 256 + s * 32;
+      return expanded + j * kPerBlock + s * kPerSub;
     } else {
       (void)j;
       (void)s;
@@ -249,7 +323,7 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
     const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
     for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
-    for (int g = 0; g < 32 / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+    for (int g = 0; g < Lay::kSubValues / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
       // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
       // panels' at once spilled at one row); the out-of-order core overlaps the panels' chains
 #pragma GCC unroll 8
@@ -263,15 +337,16 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
         for (int v = 0; v < V; ++v) {
           d[v] = loadu<L>(dp + v * L);
           mn[v] = Lay::kNibbles ? loadu<L>(dp + kNR + v * L) : vf{};
-          std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+          if constexpr (!Lay::kByteRows)
+            std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
         }
 #pragma GCC unroll 8
         for (int t = 0; t < kRows; ++t) {
-          const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
+          const int64_t k = b * Lay::kValues + s * Lay::kSubValues + kRows * g + t;
           vf w[V];
 #pragma GCC unroll 64
           for (int v = 0; v < V; ++v)
-            w[v] = in_register(weight_row<L, F>(words[v], t, d[v], mn[v]));
+            w[v] = in_register(row_weights<L, F>(q, words[v], g * kRows + t, v, d[v], mn[v]));
 #pragma GCC unroll 64
           for (int m = 0; m < MR; ++m) {
             const float xs = xr[m][k];
@@ -315,7 +390,7 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
       const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); }, h, h + 1);
       for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
-      for (int g = 0; g < 32 / kRows; ++g) {
+      for (int g = 0; g < Lay::kSubValues / kRows; ++g) {
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
           const uint8_t* bj = blk.at(j, b);
@@ -323,12 +398,13 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
           const uint8_t* q = Lay::words(bj, s);
           const vf d = loadu<L>(dp + h * L);
           const vf mn = Lay::kNibbles ? loadu<L>(dp + kNR + h * L) : vf{};
-          vu words;
-          std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
+          vu words{};
+          if constexpr (!Lay::kByteRows)
+            std::memcpy(&words, q + (g * kNR + h * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
           for (int t = 0; t < kRows; ++t) {
-            const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
-            const vf w = in_register(weight_row<L, F>(words, t, d, mn));
+            const int64_t k = b * Lay::kValues + s * Lay::kSubValues + kRows * g + t;
+            const vf w = in_register(row_weights<L, F>(q, words, g * kRows + t, h, d, mn));
 #pragma GCC unroll 16
             for (int m = 0; m < MR; ++m) acc[j][m] += w * xr[m][k];
           }
@@ -438,17 +514,18 @@ FT_INLINE void decode(const uint8_t* w, int64_t N, int64_t K, int64_t p0, int64_
             mn[v] = Lay::kNibbles ? loadu<L>(dp + kNR + v * L) : vf{};
           }
 #pragma GCC unroll 8
-          for (int g = 0; g < 32 / kRows; ++g) {
-            vu words[V];
+          for (int g = 0; g < Lay::kSubValues / kRows; ++g) {
+            vu words[V]{};
 #pragma GCC unroll 64
             for (int v = 0; v < V; ++v)
-              std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
+              if constexpr (!Lay::kByteRows)
+                std::memcpy(&words[v], q + (g * kNR + v * L) * 4, sizeof(vu));
 #pragma GCC unroll 8
             for (int t = 0; t < kRows; ++t)
 #pragma GCC unroll 64
               for (int v = 0; v < V; ++v) {
-                const vf r = weight_row<L, F>(words[v], t, d[v], mn[v]);
-                const int64_t k = b * Lay::kValues + s * 32 + kRows * g + t;
+                const vf r = row_weights<L, F>(q, words[v], g * kRows + t, v, d[v], mn[v]);
+                const int64_t k = b * Lay::kValues + s * Lay::kSubValues + kRows * g + t;
                 std::memcpy(o + k * kNR + v * L, &r, sizeof r);
               }
           }
@@ -539,9 +616,6 @@ void release_pages(const uint8_t* lo, const uint8_t* hi) {
 #endif
 }
 
-// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero. `release`:
-// the rows are a file's memory map, whose pages are unmapped as they are consumed (so packing a
-// 30 MB lm_head does not hold its 30 MB of file pages until the end as well).
 // Block b of GGUF row j's Q4_K block `s` into panel block `out` (module comment: the layout).
 void fill_q4_k(const uint8_t* s, int j, uint8_t* out) {
   float* d = reinterpret_cast<float*>(out);
@@ -562,6 +636,25 @@ void fill_q4_k(const uint8_t* s, int j, uint8_t* out) {
   }
 }
 
+// Block b of GGUF row j's Q6_K block `s` into panel block `out`: weight f's 6-bit code is nibble
+// (f / 64) % 2 of ql[64 (f / 128) + f % 64] with bits (f / 32) % 4 of qh[32 (f / 128) + f % 32]
+// as its top two (gguf_blocks.h q6_k); it is stored less 32, as an int8.
+void fill_q6_k(const uint8_t* s, int j, uint8_t* out) {
+  reinterpret_cast<float*>(out)[j] = half_at(s + 208);
+  for (int sb = 0; sb < 16; ++sb) out[kNR * 4 + sb * kNR + j] = s[192 + sb];
+  const uint8_t* ql = s;
+  const uint8_t* qh = s + 128;
+  for (int f = 0; f < 256; ++f) {
+    const int h = f / 128, r = f % 128;
+    const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
+    const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+    out[320 + f * kNR + j] = static_cast<uint8_t>(static_cast<int8_t>((lo | hi << 4) - 32));
+  }
+}
+
+// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero. `release`:
+// the rows are a file's memory map, whose pages are unmapped as they are consumed (so packing a
+// 30 MB lm_head does not hold its 30 MB of file pages until the end as well).
 template <Format F>
 void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K,
                       uint8_t* dst, bool release) {
@@ -579,8 +672,8 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t 
       float* d = reinterpret_cast<float*>(out);
       for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
         const uint8_t* s = src + (p * kNR + j) * row_bytes + b * source;
-        if (f == panel::kQ4_K) {
-          fill_q4_k(s, j, out);
+        if (f == panel::kQ4_K || f == panel::kQ6_K) {
+          (f == panel::kQ4_K ? fill_q4_k : fill_q6_k)(s, j, out);
           continue;
         }
         d[j] = half_at(s);
@@ -606,9 +699,12 @@ void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t 
 
 at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int64_t K,
                          bool release_rows) {
-  TORCH_CHECK(type == "Q4_1" || type == "Q8_0" || type == "Q4_K",
-              "pack_gguf_panels: type must be Q4_1, Q8_0 or Q4_K, got ", type);
-  const Format f = type == "Q4_1" ? panel::kQ4_1 : type == "Q8_0" ? panel::kQ8_0 : panel::kQ4_K;
+  TORCH_CHECK(type == "Q4_1" || type == "Q8_0" || type == "Q4_K" || type == "Q6_K",
+              "pack_gguf_panels: type must be Q4_1, Q8_0, Q4_K or Q6_K, got ", type);
+  const Format f = type == "Q4_1"   ? panel::kQ4_1
+                   : type == "Q8_0" ? panel::kQ8_0
+                   : type == "Q4_K" ? panel::kQ4_K
+                                    : panel::kQ6_K;
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
               "pack_gguf_panels: blocks must be a 2-D uint8 CPU tensor [N, row bytes]");
   const int64_t values = panel::block_values(f);
@@ -631,7 +727,8 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
   uint8_t* dst = out.data_ptr<uint8_t>() + panel::kHeaderBytes;
   const auto fill = f == panel::kQ4_1   ? &fill_gguf_panels<panel::kQ4_1>
                     : f == panel::kQ8_0 ? &fill_gguf_panels<panel::kQ8_0>
-                                        : &fill_gguf_panels<panel::kQ4_K>;
+                    : f == panel::kQ4_K ? &fill_gguf_panels<panel::kQ4_K>
+                                        : &fill_gguf_panels<panel::kQ6_K>;
   fill(src.data_ptr<uint8_t>(), src.size(1), N, K, dst, release_rows);
   return out;
 }
@@ -652,8 +749,10 @@ void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int6
     decode_any<kQ4_1>(panels, h.N, h.K, p0, p1, out);
   } else if (h.format == kQ8_0) {
     decode_any<kQ8_0>(panels, h.N, h.K, p0, p1, out);
-  } else {
+  } else if (h.format == kQ4_K) {
     decode_any<kQ4_K>(panels, h.N, h.K, p0, p1, out);
+  } else {
+    decode_any<kQ6_K>(panels, h.N, h.K, p0, p1, out);
   }
 }
 
@@ -662,7 +761,8 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   const int64_t M = x.size(0);
   const Kernel kern = h.format == kQ4_1   ? pick_kernel<kQ4_1>(M)
                       : h.format == kQ8_0 ? pick_kernel<kQ8_0>(M)
-                                          : pick_kernel<kQ4_K>(M);
+                      : h.format == kQ4_K ? pick_kernel<kQ4_K>(M)
+                                          : pick_kernel<kQ6_K>(M);
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.

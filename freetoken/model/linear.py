@@ -13,8 +13,8 @@ panels' order, and the in-place kernel's, never depends on the row count: a row'
 same whatever steps beside it (batch invariance: docs/api.md, Determinism).
 
 A GGUF file whose weights would take over IN_PLACE_MIN_BYTES as fp32, or under it whose
-matrices all have block panels (Q4_1 / Q8_0 / Q4_K; fp32 on the CPU with freetoken._C, linear
-"auto"; "gguf" whatever the file), is
+matrices all have block panels (Q4_1 / Q8_0 / Q4_K / Q6_K; fp32 on the CPU with freetoken._C,
+linear "auto"; "gguf" whatever the file), is
 never dequantized whole (gguf_in_place): its weights stay in the file's blocks where its
 read-only memory map has them (GGUFMatrix, from freetoken/loader/gguf.py), every step size
 computing with each weight decoded to exactly its dequantized fp32 value, fp32 FMAs in one
@@ -22,9 +22,10 @@ summation order whatever the row count. No fp32 copy exists: a 1B Q4_K_M file se
 instead of ~5.5, SmolLM2 (Q4_1) in under 400 MiB instead of ~1.05 GiB. GGUFMatrix.pack gives each
 matrix its form:
   * under "auto" and the exact mode, a matrix of one of block_panels_wanted's types (a small
-    file: all of them; a larger one: its Q4_1 / Q4_K, LARGE_BLOCK_PANEL_TYPES): the blocks
-    regrouped into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a repacked
-    copy at 1.2x / 1.06x / 1.06x the file's bytes, whose pages of the file are then unmapped).
+    file: all of them; a larger one: its Q4_1 / Q4_K / Q6_K, LARGE_BLOCK_PANEL_TYPES): the
+    blocks regrouped into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a
+    repacked copy at 1.2x / 1.06x / 1.06x / 1.31x the file's bytes (Q4_1 / Q8_0 / Q4_K / Q6_K),
+    whose pages of the file are then unmapped).
     Short steps dequantize them in registers, long ones decode a block of panels at a time into
     fp32 for the fp32 panels' micro-kernels: the fp32 panels' bits and, measured on SmolLM2, at
     most their time (0.40-1.01x by row count);
@@ -71,8 +72,10 @@ GGUF_BLOCK_TYPES = ("Q4_1", "Q8_0")
 # file's first 4 layers (scripts/bench_gguf_linear.py) one row took 1.17x the in-place kernel's
 # time as block panels (8 rows 0.72x, 224 rows 0.84x), and a one-stream regression is not traded
 # for the rest unmeasured. Its Q4_K (1B Q4_K_M, Zen 3, AVX2) as block panels: one row 1.06x, 4
-# rows 1.11x, 8 rows 0.81x, 48 rows 0.83x, 224 rows 0.77x.
-LARGE_BLOCK_PANEL_TYPES = ("Q4_1", "Q4_K")
+# rows 1.11x, 8 rows 0.81x, 48 rows 0.83x, 224 rows 0.77x; its Q6_K (ffn_down, attn_v; Xeon,
+# AVX-512, 21 GB/s read): 1-4 rows 1.00-1.02x, 8 rows 0.89x, 16-48 rows 1.02-1.08x, 224 rows
+# 0.81x (1.31x the file's bytes: its codes as int8, one sign-extending load a row).
+LARGE_BLOCK_PANEL_TYPES = ("Q4_1", "Q4_K", "Q6_K")
 
 # NOTE: below this a GGUF with matrices of other types than Q4_1 / Q8_0 keeps an fp32 copy: it
 # fits easily, and the in-place kernels were slower on SmolLM2 (classify 0.76x, decode 8
@@ -149,7 +152,7 @@ class GGUFMatrix:
         panels' summation order."""
         return self.block_panels and len(set(self.types)) == 1 \
             and self.types[0] in ops.GGUF_PANEL_TYPES \
-            and self.in_features % (256 if self.types[0] == "Q4_K" else 32) == 0
+            and self.in_features % (256 if self.types[0] in ("Q4_K", "Q6_K") else 32) == 0
 
     def pack(self) -> torch.Tensor:
         """What panel_linear computes with: the int8 matrix (ops.int8_matrix) where
@@ -206,11 +209,12 @@ class GGUFMatrix:
 
 def block_panel_bytes(type: str, out_features: int, in_features: int) -> int:  # noqa: A002
     """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0 /
-    Q4_K): a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and 16
-    fp32 mins) and the 512 codes (4 or 8 bits); Q4_K per 16 outputs and 256 inputs 16 fp32 d,
-    16 fp32 dmin, 256 bytes of 6-bit scales and mins, and the 4096 nibbles."""
+    Q4_K / Q6_K): a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and
+    16 fp32 mins) and the 512 codes (4 or 8 bits); Q4_K per 16 outputs and 256 inputs 16 fp32 d,
+    16 fp32 dmin, 256 bytes of 6-bit scales and mins, and the 4096 nibbles; Q6_K 16 fp32 d, 256
+    bytes of int8 scales and the 4096 codes as int8."""
     values, block = {"Q4_1": (32, 2 * 64 + 256), "Q8_0": (32, 64 + 512),
-                     "Q4_K": (256, 2 * 64 + 256 + 2048)}[type]
+                     "Q4_K": (256, 2 * 64 + 256 + 2048), "Q6_K": (256, 64 + 256 + 4096)}[type]
     return 64 + -(-out_features // 16) * (in_features // values) * block
 
 

@@ -43,16 +43,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _C.panel_pack(weight.detach())
 
 
-GGUF_PANEL_TYPES = ("Q4_1", "Q8_0", "Q4_K")  # in the order of their header codes 2, 3, 4
+GGUF_PANEL_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K")  # in the order of their header codes 2-5
 # (weights, bytes) of a block in the GGUF file
-_GGUF_BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+_GGUF_BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A002
                      release_rows: bool = False) -> torch.Tensor:
     """A weight W [N, K] as its GGUF file stores it (rows [N, K / block values * block bytes]
     uint8 of `type`, one of GGUF_PANEL_TYPES) -> packed panels (1-D uint8, the pack_panels
-    header with dtype 2 / 3 / 4) for panel_linear with fp32 x. Each weight is dequantized in
+    header with dtype 2-5) for panel_linear with fp32 x. Each weight is dequantized in
     registers to exactly the fp32 value gguf.quants.dequantize gives
     (csrc/linear/quant_linear_cpu.cpp).
     `release_rows`: `rows` is a contiguous view of a file's read-only memory map, whose pages are
@@ -74,7 +74,7 @@ def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A
 
 
 def gguf_panel_type(packed: torch.Tensor) -> str | None:
-    """"Q4_1" / "Q8_0" / "Q4_K" for a tensor from pack_gguf_panels, None for one from pack_panels
+    """"Q4_1" / "Q8_0" / "Q4_K" / "Q6_K" for a tensor from pack_gguf_panels, None for one from pack_panels
     (or a gguf_matrix descriptor)."""
     from freetoken.ops.gguf import is_gguf_matrix
 

@@ -65,8 +65,8 @@ def _by_type(pairs) -> dict[str, int]:
 
 def fp32_step_weights(s: dict, block_types=None) -> tuple[int, dict[str, int]]:
     """(bytes, {form: bytes}) of the weights a FreeToken fp32 decode step reads (linear "auto").
-    A model over IN_PLACE_MIN_BYTES as fp32 computes on the file's blocks, its Q4_1 / Q4_K
-    matrices as block panels, the rest in place; one under it whose matrices all have block
+    A model over IN_PLACE_MIN_BYTES as fp32 computes on the file's blocks, its Q4_1 / Q4_K /
+    Q6_K matrices as block panels, the rest in place; one under it whose matrices all have block
     panels on those (model/linear.py block_panel_types); any other is dequantized at load
     (_dequantized_step_weights).
     `block_types`: the types of the blocks kept (in place: those the kernel takes; dequantized:

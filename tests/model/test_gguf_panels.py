@@ -1,5 +1,5 @@
-"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0 / Q4_K
-blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
+"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0 / Q4_K /
+Q6_K blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
 loader's dequantization gives (gguf.quants), on every ISA variant; the products are held to an
 fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit for bit.
 The model then gives the same logits with and without the blocks."""
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not ops.panel_linear_available(torch.empty(1)),
                                 reason="freetoken._C with panel_linear not built")
 
 RTOL = 1e-5  # as tests/test_panel_linear.py: |y - ref| <= RTOL * (|x| @ |W|^T + |b|)
-TYPES = ["Q4_1", "Q8_0", "Q4_K"]
-VALUES = {"Q4_1": 32, "Q8_0": 32, "Q4_K": 256}  # k a block holds
+TYPES = ["Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+VALUES = {"Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # k a block holds
 
 
 def k_for(type_: str, k: int) -> int:
@@ -38,7 +38,7 @@ def threads(request):
 def random_blocks(type_: str, n: int, k: int, seed: int = 0):
     """Random GGUF rows [n, k / block values * block bytes] -> (rows uint8 tensor, the loader's
     fp32 W). Scales cover fp16's range: normal, subnormal, zero and negative values (Q4_K: d and
-    dmin, then random 6-bit scales and mins)."""
+    dmin, then random 6-bit scales and mins; Q6_K: d, then random int8 scales, -128 included)."""
     rng = np.random.default_rng(seed)
     nb = n * k // VALUES[type_]
     scales = rng.standard_normal((nb, 2)).astype(np.float32) * 0.05
@@ -50,6 +50,9 @@ def random_blocks(type_: str, n: int, k: int, seed: int = 0):
         raw = np.concatenate([half, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
     elif type_ == "Q4_K":  # d, dmin, 12 bytes of packed scales, 128 of nibbles
         raw = np.concatenate([half, rng.integers(0, 256, (nb, 140), dtype=np.uint8)], axis=1)
+    elif type_ == "Q6_K":  # ql[128], qh[64], 16 int8 scales, d
+        raw = np.concatenate([rng.integers(0, 256, (nb, 208), dtype=np.uint8), half[:, :2]],
+                             axis=1)
     else:
         raw = np.concatenate([half[:, :2], rng.integers(0, 256, (nb, 32), dtype=np.uint8)],
                              axis=1)
@@ -107,7 +110,7 @@ def test_matches_an_fp64_reference(isa, threads, type_, m, n, k):
 @pytest.mark.parametrize("type_", TYPES)
 @pytest.mark.parametrize("n", [100, 1000])
 def test_same_sums_as_the_fp32_panels(isa, threads, type_, n):
-    k = 576 if VALUES[type_] == 32 else 2048  # Q4_K: the 1B file's hidden size
+    k = 576 if VALUES[type_] == 32 else 2048  # Q4_K, Q6_K: the 1B file's hidden size
     rows, w = random_blocks(type_, n, k, seed=5)
     blocks, plain = ops.pack_gguf_panels(rows, type_, k), ops.pack_panels(w)
     # every row count, on every ISA, both paths of the GGUF panels (in registers up to 7 rows
@@ -152,7 +155,7 @@ def test_the_packed_form_survives_clone_and_save(tmp_path):
 def test_bad_inputs_are_refused():
     rows, _ = random_blocks("Q4_1", 16, 64)
     with pytest.raises(ValueError, match="type must be one of"):
-        ops.pack_gguf_panels(rows, "Q6_K", 64)
+        ops.pack_gguf_panels(rows, "Q5_K", 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         ops.pack_gguf_panels(rows, "Q4_1", 48)
     with pytest.raises(ValueError, match="multiple of 256 for Q4_K"):

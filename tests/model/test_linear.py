@@ -219,10 +219,10 @@ def test_bf16_model_uses_the_panels_for_few_rows(tiny_checkpoint, ops_config):
 
 
 def test_which_ggufs_keep_only_block_panels(ops_config):
-    """Under "auto" a GGUF whose matrices are all Q4_1 / Q8_0 / Q4_K and that is at most
+    """Under "auto" a GGUF whose matrices are all Q4_1 / Q8_0 / Q4_K / Q6_K and that is at most
     IN_PLACE_MIN_BYTES as fp32 (SmolLM2) keeps them only as block panels; a larger one its
-    Q4_1 / Q4_K matrices (its Q8_0 and the rest in place); a small one with other types, and
-    every other linear mode or the int8 mode, none."""
+    Q4_1 / Q4_K / Q6_K matrices (its Q8_0 and the rest in place); a small one with other
+    types, and every other linear mode or the int8 mode, none."""
     from freetoken.model.linear import IN_PLACE_MIN_BYTES, block_panels_wanted, gguf_in_place
 
     small, large = 500 << 20, IN_PLACE_MIN_BYTES + 1
@@ -230,12 +230,15 @@ def test_which_ggufs_keep_only_block_panels(ops_config):
     assert block_panels_wanted(small, {"Q8_0"}) == {"Q8_0"}
     assert block_panels_wanted(small, {"Q4_K", "Q8_0"}) == {"Q4_K", "Q8_0"}
     assert not block_panels_wanted(large, {"Q8_0"})
-    assert block_panels_wanted(large, {"Q4_K", "Q6_K", "Q8_0"}) == {"Q4_K"}
-    assert not block_panels_wanted(small, {"Q4_1", "Q6_K"})
+    assert block_panels_wanted(large, {"Q4_K", "Q6_K", "Q8_0"}) == {"Q4_K", "Q6_K"}
+    assert block_panels_wanted(large, {"Q5_K", "Q6_K"}) == {"Q6_K"}
+    assert block_panels_wanted(small, {"Q4_K", "Q6_K"}) == {"Q4_K", "Q6_K"}
+    assert not block_panels_wanted(small, {"Q4_1", "Q5_K"})
     assert not block_panels_wanted(small, set())
     if ops.panel_linear_available(torch.empty(1)):
         assert gguf_in_place(torch.float32, "cpu", small, {"Q4_1"})
-        assert not gguf_in_place(torch.float32, "cpu", small, {"Q6_K"})
+        assert gguf_in_place(torch.float32, "cpu", small, {"Q6_K"})
+        assert not gguf_in_place(torch.float32, "cpu", small, {"Q5_K"})
         assert not gguf_in_place(torch.bfloat16, "cpu", small, {"Q4_1"})
     for mode in ("gguf", "panels", "onednn", "torch"):
         ops_config(linear=mode)

@@ -150,32 +150,32 @@ def test_bytes_per_step_count_the_files_own_k_quant_blocks(tiny_q4_k_m):
     assert s["linear_params_per_layer"] == 2 * h * h + 2 * kv * h + 3 * f * h
     # llama-server reads the file's blocks
     assert cb.decode_bytes(s, ())["llama-server"]["weights"] == s["gguf_step_bytes"]
-    # FreeToken fp32 without K-quant kernels: fp32 panels (4 bytes a weight) but the norms
-    params = 2 * (2 * h * h + 2 * kv * h + 3 * f * h) + v * h
-    fp32 = cb.decode_bytes(s, ("Q4_1", "Q8_0"))["freetoken-fp32"]
-    assert fp32["weights"] == 4 * params + norms
-    assert "fp32 panels of Q4_K" in fp32["weights_read_as"]
-    # with them: the blocks, except layer 1's q/k/v, fused from two types (GGUFBlocks.fuse)
-    blocks = cb.decode_bytes(s, ("Q4_K", "Q6_K"))["freetoken-fp32"]
-    qkv1 = nbytes("Q4_K", h, h) + nbytes("Q4_K", kv, h) + nbytes("Q6_K", kv, h)
-    assert blocks["weights"] == s["gguf_step_bytes"] - qkv1 + 4 * (h * h + 2 * kv * h)
-    # a model over 1 GiB as fp32 computes on the file's blocks: its Q4_K matrices as block
-    # panels (model/linear.py LARGE_BLOCK_PANEL_TYPES; 1.06x their bytes), the rest in place
-    # (layer 1's mixed q|k|v and Q6_K down, the Q6_K output)
+    # FreeToken fp32 computes on the file's blocks whatever its size: its Q4_K and Q6_K matrices
+    # as block panels (model/linear.py block_panel_types; 1.06x / 1.31x their bytes), layer 1's
+    # q|k|v, fused from two types, in place
     from freetoken.model.linear import block_panel_bytes
 
-    def panels(rows, cols):
-        return block_panel_bytes("Q4_K", rows, cols)
-
-    big = {**s, "params": (1 << 30) // 4 + 1}
-    in_place = {0: 0, 1: qkv1 + nbytes("Q6_K", h, f)}
-    repacked = {0: panels(h, h) * 2 + panels(kv, h) * 2 + panels(f, h) * 2 + panels(h, f),
-                1: panels(h, h) + panels(f, h) * 2}
-    big_fp32 = cb.decode_bytes(big, ("Q4_K", "Q6_K"))["freetoken-fp32"]
-    assert big_fp32["weights"] == sum(in_place.values()) + sum(repacked.values()) + norms + output
-    assert "Q4_K block panels" in big_fp32["weights_read_as"]
+    qkv1 = nbytes("Q4_K", h, h) + nbytes("Q4_K", kv, h) + nbytes("Q6_K", kv, h)
+    repacked = (2 * block_panel_bytes("Q4_K", h, h) + 2 * block_panel_bytes("Q4_K", kv, h)
+                + 4 * block_panel_bytes("Q4_K", f, h) + block_panel_bytes("Q4_K", h, f)
+                + block_panel_bytes("Q4_K", h, h) + block_panel_bytes("Q6_K", h, f)
+                + block_panel_bytes("Q6_K", v, h))
+    for shape in (s, {**s, "params": (1 << 30) // 4 + 1}):  # SmolLM2-sized and over 1 GiB
+        fp32 = cb.decode_bytes(shape, ("Q4_K", "Q6_K"))["freetoken-fp32"]
+        assert fp32["weights"] == qkv1 + repacked + norms
+        assert "Q4_K block panels" in fp32["weights_read_as"]
+        assert "Q6_K block panels" in fp32["weights_read_as"]
     assert cb.decode_bytes(s, ("Q4_K", "Q6_K"))["llama-server"]["weights"] == \
         s["gguf_step_bytes"]
+    # a small file of a type without block panels is dequantized at load: fp32 panels (4 bytes
+    # a weight) but the norms
+    q5 = str(Path(tiny_q4_k_m).parent / "tiny.Q5_K.gguf")
+    gguf_files.write(q5, "tiny", "Q5_K", tokenizer_from=str(Path(tiny_q4_k_m).parent
+                                                            / "vocab.gguf"))
+    params = 2 * (2 * h * h + 2 * kv * h + 3 * f * h) + v * h
+    fp32 = cb.decode_bytes(cb.model_shape(q5), ("Q4_1", "Q8_0"))["freetoken-fp32"]
+    assert fp32["weights"] == 4 * params + norms
+    assert "fp32 panels of Q5_K" in fp32["weights_read_as"]
 
 
 def test_a_synthetic_model_gets_its_own_section_and_folder(tmp_path, tiny_q4_k_m):
