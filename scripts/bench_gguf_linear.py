@@ -10,10 +10,12 @@ integer ops); with --int8 the int8 bound is measured first (the int8 loop's inst
 registers, --threads threads, best of 5) and each int8 rate is also given as its fraction.
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
-        [--rows 1 8 64 224] [--layers N] [--types Q6_K ...] [--threads 2] [--no-panels] [--int8]
+        [--rows 1 8 64 224] [--layers N] [--types Q6_K ...] [--threads 2] [--no-panels]
+        [--int8]
 
 --layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --types: only the
-matrices of these GGUF types; --no-panels: no fp32 panels. Progress goes to stderr; stdout gets the table and, last, one JSON line.
+matrices of these GGUF types; --no-panels: no fp32 panels. Progress goes to stderr; stdout
+gets the table and, last, one JSON line.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 // The panel linear over GGUF blocks: y [M, N] = x [M, K] @ W^T (+ bias) in fp32, where W stays in
-// the GGUF file's Q4_1, Q8_0, Q4_K or Q6_K blocks and each weight is dequantized in registers to exactly
-// the fp32 value the loader's dequantization gives (freetoken/loader/gguf.py, gguf.quants).
+// the GGUF file's Q4_1, Q8_0, Q4_K or Q6_K blocks and each weight is dequantized in registers to
+// exactly the fp32 value the loader's dequantization gives (freetoken/loader/gguf.py,
+// gguf.quants).
 //
 // Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
 // layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
@@ -21,10 +22,11 @@
 // the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7; Q4_K (blocks of 256 k): d[16], dmin[16]
 // fp32, 4 x 16 words of scales and mins (two sub-blocks' 6-bit sc | m << 8 each), then the 8
 // sub-blocks' words as Q4_1's; Q6_K (blocks of 256 k): d[16] fp32, the 16 sub-blocks' int8
-// scales as [16][16] bytes, then the codes less 32 as int8, [256][16] bytes (a row of 16 is
-// one sign-extending load, byte_row). A row is then a shift and a mask (Q8_0: two shifts, the second
-// arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA. The blocks of each group of
-// 4 panels interleave, block by block (block_index), so the kernel reads a group as one stream.
+// scales as [16][16] bytes, then the codes less 32 as int8, [256][16] bytes. A row is then a
+// shift and a mask (Q8_0: two shifts, the second arithmetic) of one 64-byte vector, in 32-bit
+// lanes on every ISA (Q6_K: one sign-extending load of its 16 bytes, byte_row). The blocks of
+// each group of 4 panels interleave, block by block (block_index), so the kernel reads a group
+// as one stream.
 //
 // Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of
 // panels at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels
@@ -34,7 +36,8 @@
 // up to 4 panels at once for small MR (for 8 FMA chains, as the fp32 panels), or on AVX2 one
 // half panel at a time (gguf_half_panels); per block row the dequantized vector is shared by the
 // MR FMAs. Every output is one FMA chain over k = 0..K-1 then + bias, the fp32 panels' order:
-// these give their bits, whatever the row count (batch invariance). Threads: panel ranges over the TaskPool, small calls on the caller.
+// these give their bits, whatever the row count (batch invariance). Threads: panel ranges over
+// the TaskPool, small calls on the caller.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -616,7 +619,34 @@ void release_pages(const uint8_t* lo, const uint8_t* hi) {
 #endif
 }
 
-// Block b of GGUF row j's Q4_K block `s` into panel block `out` (module comment: the layout).
+// The low (or high) nibbles of the 8 bytes at p as one word, byte t's at bits 4 t: a panels'
+// word of 8 rows. NOTE: a word at a time, where a loop of 32 nibbles per word took the 8B
+// file's packing ~20 s.
+FT_INLINE uint32_t nibble_word(const uint8_t* p, bool high) {
+  uint64_t x;
+  std::memcpy(&x, p, 8);
+  x = (high ? x >> 4 : x) & 0x0F0F0F0F0F0F0F0FULL;
+  x = (x | x >> 4) & 0x00FF00FF00FF00FFULL;  // nibble pairs in bytes 0, 2, 4, 6
+  x = (x | x >> 8) & 0x0000FFFF0000FFFFULL;
+  return static_cast<uint32_t>(x | x >> 16);
+}
+
+// GGUF row j's block at `s` into panel block `out` (module comment: the layout), by format.
+void fill_q4_1(const uint8_t* s, int j, uint8_t* out) {
+  float* d = reinterpret_cast<float*>(out);
+  d[j] = half_at(s);
+  d[kNR + j] = half_at(s + 2);
+  const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
+  uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
+  for (int g = 0; g < 4; ++g) words[g * kNR + j] = nibble_word(qs + 8 * (g % 2), g >= 2);
+}
+
+void fill_q8_0(const uint8_t* s, int j, uint8_t* out) {
+  reinterpret_cast<float*>(out)[j] = half_at(s);
+  uint32_t* words = reinterpret_cast<uint32_t*>(out + kNR * 4);
+  for (int g = 0; g < 8; ++g) std::memcpy(&words[g * kNR + j], s + 2 + 4 * g, 4);
+}
+
 void fill_q4_k(const uint8_t* s, int j, uint8_t* out) {
   float* d = reinterpret_cast<float*>(out);
   d[j] = half_at(s);
@@ -629,70 +659,66 @@ void fill_q4_k(const uint8_t* s, int j, uint8_t* out) {
     // sub-block sb's weight l: nibble (sb & 1) of byte 32 (sb / 2) + l of qs
     const uint8_t* qs = s + 16 + 32 * (sb / 2);
     uint32_t* words = reinterpret_cast<uint32_t*>(out + 384 + sb * 256);
-    for (int l = 0; l < 32; ++l) {
-      const uint32_t q = (qs[l] >> (4 * (sb & 1))) & 15;
-      words[(l / 8) * kNR + j] |= q << (4 * (l % 8));
-    }
+    for (int g = 0; g < 4; ++g) words[g * kNR + j] = nibble_word(qs + 8 * g, sb & 1);
   }
 }
 
-// Block b of GGUF row j's Q6_K block `s` into panel block `out`: weight f's 6-bit code is nibble
-// (f / 64) % 2 of ql[64 (f / 128) + f % 64] with bits (f / 32) % 4 of qh[32 (f / 128) + f % 32]
-// as its top two (gguf_blocks.h q6_k); it is stored less 32, as an int8.
+// Q6_K: weight f's 6-bit code is nibble (f / 64) % 2 of ql[64 (f / 128) + f % 64] with bits
+// (f / 32) % 4 of qh[32 (f / 128) + f % 32] as its top two (gguf_blocks.h q6_k); it is stored
+// less 32, as an int8. Eight codes at a time in the bytes of a word.
 void fill_q6_k(const uint8_t* s, int j, uint8_t* out) {
+  constexpr uint64_t k32 = 0x2020202020202020ULL;
   reinterpret_cast<float*>(out)[j] = half_at(s + 208);
   for (int sb = 0; sb < 16; ++sb) out[kNR * 4 + sb * kNR + j] = s[192 + sb];
-  const uint8_t* ql = s;
-  const uint8_t* qh = s + 128;
-  for (int f = 0; f < 256; ++f) {
+  for (int f = 0; f < 256; f += 8) {
     const int h = f / 128, r = f % 128;
-    const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
-    const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-    out[320 + f * kNR + j] = static_cast<uint8_t>(static_cast<int8_t>((lo | hi << 4) - 32));
+    uint64_t lo, hi;
+    std::memcpy(&lo, s + h * 64 + r % 64, 8);
+    std::memcpy(&hi, s + 128 + h * 32 + r % 32, 8);
+    const uint64_t v = ((lo >> (4 * (r / 64))) & 0x0F0F0F0F0F0F0F0FULL) |
+                       (((hi >> (2 * (r / 32))) & 0x0303030303030303ULL) << 4);
+    // v - 32 in each byte (v < 64): bit 5 flipped, and bits 6 and 7 set where it was clear
+    const uint64_t borrow = ~v & k32;
+    const uint64_t q = (v ^ k32) | borrow << 1 | borrow << 2;
+    for (int t = 0; t < 8; ++t) out[320 + (f + t) * kNR + j] = static_cast<uint8_t>(q >> (8 * t));
   }
 }
 
-// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero. `release`:
-// the rows are a file's memory map, whose pages are unmapped as they are consumed (so packing a
-// 30 MB lm_head does not hold its 30 MB of file pages until the end as well).
+// GGUF rows [N, nb * source bytes] -> panels (module comment), columns >= N zero, a few groups
+// of panels per pool task. `release`: the rows are a file's memory map, whose pages are
+// unmapped as they are consumed (so packing a 30 MB lm_head does not hold its 30 MB of file
+// pages until the end as well).
 template <Format F>
 void fill_gguf_panels(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K,
                       uint8_t* dst, bool release) {
   using Lay = Layout<F>;
   const int64_t nb = K / Lay::kValues, P = (N + kNR - 1) / kNR;
+  const int64_t G = (P + kGroup - 1) / kGroup;  // a group's blocks are contiguous (block_index)
   const int64_t block = Lay::kBytes, source = source_bytes(F);
-  const panel::Format f = F;
-  constexpr int64_t kReleasePanels = 256;
-  std::memset(dst, 0, P * nb * block);
-  for (int64_t p = 0; p < P; ++p) {
-    if (release && p > 0 && p % kReleasePanels == 0)
-      release_pages(src + (p - kReleasePanels) * kNR * row_bytes, src + p * kNR * row_bytes);
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* out = dst + block_index(p, b, nb, P) * block;
-      float* d = reinterpret_cast<float*>(out);
-      for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
-        const uint8_t* s = src + (p * kNR + j) * row_bytes + b * source;
-        if (f == panel::kQ4_K || f == panel::kQ6_K) {
-          (f == panel::kQ4_K ? fill_q4_k : fill_q6_k)(s, j, out);
-          continue;
+  constexpr auto fill = F == panel::kQ4_1   ? &fill_q4_1
+                        : F == panel::kQ8_0 ? &fill_q8_0
+                        : F == panel::kQ4_K ? &fill_q4_k
+                                            : &fill_q6_k;
+  constexpr int64_t kReleaseGroups = 64;
+  const auto rows_of = [&](int64_t g) { return src + std::min(g * kGroup * kNR, N) * row_bytes; };
+  const auto fill_groups = [&](int64_t g0, int64_t g1) {
+    std::memset(dst + g0 * kGroup * nb * block, 0,
+                (std::min(g1 * kGroup, P) - g0 * kGroup) * nb * block);
+    for (int64_t g = g0; g < g1; ++g) {
+      if (release && g > g0 && (g - g0) % kReleaseGroups == 0)
+        release_pages(rows_of(g - kReleaseGroups), rows_of(g));
+      for (int64_t p = g * kGroup; p < std::min((g + 1) * kGroup, P); ++p)
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* out = dst + block_index(p, b, nb, P) * block;
+          for (int j = 0; j < kNR && p * kNR + j < N; ++j)
+            fill(src + (p * kNR + j) * row_bytes + b * source, j, out);
         }
-        d[j] = half_at(s);
-        if (f == panel::kQ4_1) {
-          d[kNR + j] = half_at(s + 2);
-          const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
-          uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
-          for (int k = 0; k < 32; ++k) {
-            const uint32_t q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
-            words[(k / 8) * kNR + j] |= q << (4 * (k % 8));
-          }
-        } else {
-          uint32_t* words = reinterpret_cast<uint32_t*>(out + kNR * 4);
-          for (int k = 0; k < 32; ++k)
-            words[(k / 4) * kNR + j] |= uint32_t{s[2 + k]} << (8 * (k % 4));
-        }
-      }
     }
-  }
+    if (release) release_pages(rows_of(std::max(g0, g1 - kReleaseGroups)), rows_of(g1));
+  };
+  const int nthreads = at::get_num_threads();
+  const int64_t n = std::min<int64_t>(G, 4 * nthreads);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) { fill_groups(G * t / n, G * (t + 1) / n); });
 }
 
 }  // namespace

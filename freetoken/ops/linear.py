@@ -74,8 +74,8 @@ def pack_gguf_panels(rows: torch.Tensor, type: str, in_features: int,  # noqa: A
 
 
 def gguf_panel_type(packed: torch.Tensor) -> str | None:
-    """"Q4_1" / "Q8_0" / "Q4_K" / "Q6_K" for a tensor from pack_gguf_panels, None for one from pack_panels
-    (or a gguf_matrix descriptor)."""
+    """"Q4_1" / "Q8_0" / "Q4_K" / "Q6_K" for a tensor from pack_gguf_panels, None for one from
+    pack_panels (or a gguf_matrix descriptor)."""
     from freetoken.ops.gguf import is_gguf_matrix
 
     if packed.dtype != torch.uint8 or is_gguf_matrix(packed):

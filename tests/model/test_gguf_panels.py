@@ -1,7 +1,8 @@
-"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0 / Q4_K /
-Q6_K blocks kept packed and dequantized in registers. The weights must be exactly the fp32 values the
-loader's dequantization gives (gguf.quants), on every ISA variant; the products are held to an
-fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit for bit.
+"""ops.pack_gguf_panels + ops.panel_linear (csrc/linear/quant_*): a GGUF file's Q4_1 / Q8_0 /
+Q4_K / Q6_K blocks kept packed and dequantized in registers. The weights must be exactly the fp32
+values the loader's dequantization gives (gguf.quants), on every ISA variant; the products are
+held to an fp64 reference and, where both kernels sum in the same order, to the fp32 panels bit
+for bit.
 The model then gives the same logits with and without the blocks."""
 
 from __future__ import annotations
