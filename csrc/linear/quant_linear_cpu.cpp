@@ -75,6 +75,18 @@ namespace {
 constexpr int64_t source_bytes(Format f) {
   return f == panel::kQ4_1 ? 20 : f == panel::kQ8_0 ? 34 : f == panel::kQ4_K ? 144 : 210;
 }
+
+// fn.template operator()<F>() for the GGUF-block format f: one instantiation per format.
+template <typename Fn>
+decltype(auto) with_format(Format f, Fn&& fn) {
+  switch (f) {
+    case panel::kQ4_1: return fn.template operator()<panel::kQ4_1>();
+    case panel::kQ8_0: return fn.template operator()<panel::kQ8_0>();
+    case panel::kQ4_K: return fn.template operator()<panel::kQ4_K>();
+    default: return fn.template operator()<panel::kQ6_K>();
+  }
+}
+
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
 // NOTE: the blocks are asked for this far ahead of the FMAs (prefetcht0): a decode step reads
 // every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
@@ -751,11 +763,9 @@ at::Tensor gguf_pack_cpu(const at::Tensor& blocks, const std::string& type, int6
   panel::advise_huge_pages(out.data_ptr(), out.numel());
   panel::write_header(out, N, K, f);
   uint8_t* dst = out.data_ptr<uint8_t>() + panel::kHeaderBytes;
-  const auto fill = f == panel::kQ4_1   ? &fill_gguf_panels<panel::kQ4_1>
-                    : f == panel::kQ8_0 ? &fill_gguf_panels<panel::kQ8_0>
-                    : f == panel::kQ4_K ? &fill_gguf_panels<panel::kQ4_K>
-                                        : &fill_gguf_panels<panel::kQ6_K>;
-  fill(src.data_ptr<uint8_t>(), src.size(1), N, K, dst, release_rows);
+  with_format(f, [&]<Format F>() {
+    fill_gguf_panels<F>(src.data_ptr<uint8_t>(), src.size(1), N, K, dst, release_rows);
+  });
   return out;
 }
 
@@ -771,24 +781,13 @@ int64_t gguf_few_rows() { return current_isa() == Isa::kAvx2 ? 7 : 48; }
 
 void decode_gguf_panels(const Header& h, const uint8_t* panels, int64_t p0, int64_t p1,
                         float* out) {
-  if (h.format == kQ4_1) {
-    decode_any<kQ4_1>(panels, h.N, h.K, p0, p1, out);
-  } else if (h.format == kQ8_0) {
-    decode_any<kQ8_0>(panels, h.N, h.K, p0, p1, out);
-  } else if (h.format == kQ4_K) {
-    decode_any<kQ4_K>(panels, h.N, h.K, p0, p1, out);
-  } else {
-    decode_any<kQ6_K>(panels, h.N, h.K, p0, p1, out);
-  }
+  with_format(h.format, [&]<Format F>() { decode_any<F>(panels, h.N, h.K, p0, p1, out); });
 }
 
 void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Header& h,
                        const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0);
-  const Kernel kern = h.format == kQ4_1   ? pick_kernel<kQ4_1>(M)
-                      : h.format == kQ8_0 ? pick_kernel<kQ8_0>(M)
-                      : h.format == kQ4_K ? pick_kernel<kQ4_K>(M)
-                                          : pick_kernel<kQ6_K>(M);
+  const Kernel kern = with_format(h.format, [&]<Format F>() { return pick_kernel<F>(M); });
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.
