@@ -92,7 +92,20 @@ constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk
 // every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
 // waiting on them (SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole decode
 // step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike; prefetcht0 = nta here).
+// The requests go out a few lines at a time as the block is consumed (GroupBlocks::
+// prefetch_part), not as one burst a block: a K-quant group's block row is 152 (Q4_K) or 276
+// (Q6_K) lines, and asking for them at once stalled the FMAs behind the line-fill buffers (1B
+// file, 8 layers' Q4_K: one row 24-26 -> 16-17 ms, 8 rows 44-46 -> 36-37; without any software
+// prefetch 22-24 and 41-43). A 32-value format's 6-9 lines go at once: spread, SmolLM2's Q8_0
+// lm_head and Q4_1 gate|up read 1.01-1.03x the time.
 constexpr int64_t kPrefetchBytes = 1536;
+
+// The parts a block's prefetches are spread over: one per word group of the block's
+// iterations (K-quants), or one.
+template <Format F>
+constexpr int prefetch_parts(int groups) {
+  return panel::block_values(F) > 32 ? groups : 1;
+}
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
@@ -306,13 +319,15 @@ struct GroupBlocks {
     for (int j = 0; j < NP; ++j) first[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
   }
   FT_INLINE const uint8_t* at(int j, int64_t b) const { return first[j] + b * stride; }
-  // asks for every panel's block kPrefetchBytes ahead of block b
-  FT_INLINE void prefetch(int64_t b) const {
+  // Asks for part `part` of `parts` of the lines of every panel's block kPrefetchBytes ahead of
+  // block b: a block's iterations each take their part, so the requests follow the reads.
+  FT_INLINE void prefetch_part(int64_t b, int part, int parts) const {
+    constexpr int64_t kLines = (kBlock + 63) / 64;
+    const int64_t l0 = part * kLines / parts, l1 = (part + 1) * kLines / parts;
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const uint8_t* ahead = at(j, b + kAheadBlocks);
-#pragma GCC unroll 16
-      for (int64_t l = 0; l < kBlock; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+      for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(ahead + 64 * l, 0, 3);
     }
   }
 };
@@ -333,12 +348,14 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
   vf acc[NP][MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
+  constexpr int G = Lay::kSubValues / kRows;  // word groups a sub-block
+  constexpr int kParts = prefetch_parts<F>(Lay::kSubs * G);
   for (int64_t b = 0; b < nb; ++b) {
-    blk.prefetch(b);
     const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
     for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
-    for (int g = 0; g < Lay::kSubValues / kRows; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+    for (int g = 0; g < G; ++g) {  // rows kRows g .. kRows (g + 1) - 1
+      if (s * G + g < kParts) blk.prefetch_part(b, s * G + g, kParts);
       // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
       // panels' at once spilled at one row); the out-of-order core overlaps the panels' chains
 #pragma GCC unroll 8
@@ -400,12 +417,15 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
   for (int h = 0; h < V; ++h) {
     vf acc[NP][MR];
     panel::zero(acc);
+    constexpr int G = Lay::kSubValues / kRows;
+    constexpr int kParts = prefetch_parts<F>(Lay::kSubs * G);
     for (int64_t b = 0; b < nb; ++b) {
-      if (h == 0) blk.prefetch(b);  // the second half finds them in L1 or L2
       const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); }, h, h + 1);
       for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
-      for (int g = 0; g < Lay::kSubValues / kRows; ++g) {
+      for (int g = 0; g < G; ++g) {
+        // the second half finds the blocks in L1 or L2
+        if (h == 0 && s * G + g < kParts) blk.prefetch_part(b, s * G + g, kParts);
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
           const uint8_t* bj = blk.at(j, b);
