@@ -99,13 +99,6 @@ constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk
 // prefetch 22-24 and 41-43). A 32-value format's 6-9 lines go at once: spread, SmolLM2's Q8_0
 // lm_head and Q4_1 gate|up read 1.01-1.03x the time.
 constexpr int64_t kPrefetchBytes = 1536;
-
-// The parts a block's prefetches are spread over: one per word group of the block's
-// iterations (K-quants), or one.
-template <Format F>
-constexpr int prefetch_parts(int groups) {
-  return panel::block_values(F) > 32 ? groups : 1;
-}
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
@@ -319,11 +312,16 @@ struct GroupBlocks {
     for (int j = 0; j < NP; ++j) first[j] = a.w + block_index(p + j, 0, nb, P) * kBlock;
   }
   FT_INLINE const uint8_t* at(int j, int64_t b) const { return first[j] + b * stride; }
-  // Asks for part `part` of `parts` of the lines of every panel's block kPrefetchBytes ahead of
-  // block b: a block's iterations each take their part, so the requests follow the reads.
-  FT_INLINE void prefetch_part(int64_t b, int part, int parts) const {
+  // The parts a block's prefetches are spread over: one per word group (the kernels' iterations
+  // over a block) for the K-quants, else one.
+  static constexpr int kGroups = Layout<F>::kSubs * (Layout<F>::kSubValues / Layout<F>::kRows);
+  static constexpr int kParts = Layout<F>::kValues > 32 ? kGroups : 1;
+  // Asks for part `part` (a block's word group) of the lines of every panel's block
+  // kPrefetchBytes ahead of block b: each group takes its share, so the requests follow the reads.
+  FT_INLINE void prefetch_part(int64_t b, int part) const {
+    if (part >= kParts) return;
     constexpr int64_t kLines = (kBlock + 63) / 64;
-    const int64_t l0 = part * kLines / parts, l1 = (part + 1) * kLines / parts;
+    const int64_t l0 = part * kLines / kParts, l1 = (part + 1) * kLines / kParts;
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const uint8_t* ahead = at(j, b + kAheadBlocks);
@@ -349,13 +347,12 @@ FT_INLINE void gguf_group(const Args& a, const float* const (&xr)[MR], int64_t r
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) panel::zero(acc[j]);
   constexpr int G = Lay::kSubValues / kRows;  // word groups a sub-block
-  constexpr int kParts = prefetch_parts<F>(Lay::kSubs * G);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); });
     for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {  // rows kRows g .. kRows (g + 1) - 1
-      if (s * G + g < kParts) blk.prefetch_part(b, s * G + g, kParts);
+      blk.prefetch_part(b, s * G + g);
       // NOTE: panel by panel: a panel's scales and words are live only for its own rows (8
       // panels' at once spilled at one row); the out-of-order core overlaps the panels' chains
 #pragma GCC unroll 8
@@ -418,14 +415,13 @@ FT_INLINE void gguf_half_panels(const Args& a, const float* const (&xr)[MR], int
     vf acc[NP][MR];
     panel::zero(acc);
     constexpr int G = Lay::kSubValues / kRows;
-    constexpr int kParts = prefetch_parts<F>(Lay::kSubs * G);
     for (int64_t b = 0; b < nb; ++b) {
       const BlockScales<L, NP, F> scales([&](int j) { return blk.at(j, b); }, h, h + 1);
       for (int s = 0; s < Lay::kSubs; ++s)
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         // the second half finds the blocks in L1 or L2
-        if (h == 0 && s * G + g < kParts) blk.prefetch_part(b, s * G + g, kParts);
+        if (h == 0) blk.prefetch_part(b, s * G + g);
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
           const uint8_t* bj = blk.at(j, b);
