@@ -131,9 +131,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per block of 32 or 256", py::arg("x"), py::arg("block") = 32);
   m.def("int8_vnni_available", &freetoken::int8_vnni_available,
         "True when this CPU runs the int8 VNNI kernel");
+  m.def("int8_amx_available", &freetoken::int8_amx_available,
+        "True when this CPU has AMX-INT8 (and the process may use it): the int8 linear's AMX loop");
+  m.def("set_int8_amx", &freetoken::set_int8_amx,
+        "allows or forbids the int8 linear's AMX loop; returns the previous setting",
+        py::arg("allowed"));
+  m.def("int8_bound_loop", &freetoken::int8_bound_loop,
+        "the instructions int8_peak_gops times ('' for the portable loop)");
   m.def("int8_peak_gops", &freetoken::int8_peak_gops,
-        "the int8 bound: GOP/s of threads x iters rounds of register vpdpbusd (VNNI) or "
-        "vpmaddubsw + vpaddw (AVX2), the loop the int8 kernel runs (benchmarks)",
+        "the int8 bound: GOP/s of threads x iters rounds of register products in the fastest "
+        "int8 loop in use (AMX tiles, vpdpbusd, or vpmaddubsw + vpaddw; benchmarks)",
         kNoGil, py::arg("iters"), py::arg("threads"));
   m.def("panel_shape", &freetoken::panel_shape_cpu, "CPU: packed panels -> [N, K]",
         py::arg("packed"));

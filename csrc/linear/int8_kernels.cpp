@@ -21,14 +21,6 @@ FT_INLINE float no_contract(float v) {
   return v;
 }
 
-// Rows [m0, m0 + mr) of a tile's sums (acc [mr][16]) into y, + bias: the panel's real outputs.
-FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo& pi, float* y,
-                          int64_t N, const float* bias) {
-  for (int m = 0; m < mr; ++m)
-    for (int o = 0; o < pi.n1 - pi.n0; ++o)
-      y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
-}
-
 // --- the portable kernel (the reference order; the baseline x86-64 variant) ------------------
 
 // One K-quant unit of output o, row m: the superblock's fp32 step onto acc.

@@ -78,6 +78,14 @@ FT_INLINE void quantize_block(const float* x, int B, const ActsOut& o, int64_t b
 void quantize_blocks_vnni(const float* x, int B, const ActsOut& o, int64_t b0, int64_t b1);
 void quantize_blocks_avx2(const float* x, int B, const ActsOut& o, int64_t b0, int64_t b1);
 
+// Rows [m0, m0 + mr) of a tile's sums (acc [mr][16]) into y, + bias: the panel's real outputs.
+FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo& pi, float* y,
+                          int64_t N, const float* bias) {
+  for (int m = 0; m < mr; ++m)
+    for (int o = 0; o < pi.n1 - pi.n0; ++o)
+      y[(m0 + m) * N + pi.n0 + o] = acc[m * kPanel + o] + (bias ? bias[pi.n0 + o] : 0.f);
+}
+
 // y[m, n0..n1) (+ bias) for rows [0, M) of x against the panel at data.
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias);
@@ -93,6 +101,16 @@ int32_t avx2_int8_chains(int64_t iters);
 
 // True when the CPU has AVX512-VNNI (and BW, VL).
 bool cpu_has_vnni();
+
+// The AMX loop (int8_amx.cpp): rows [0, M) against a panel of a 32-value format, 16 rows a tile
+// product (tdpbsud) and the VNNI loop's fp32 steps, so the same bits; the rows past the last
+// whole 16 take the VNNI loop.
+void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
+                   int64_t N, const float* bias);
+// True when the CPU has AMX-INT8 and Linux lets this process use its tiles (asked once).
+bool cpu_has_amx();
+// Register tile products (tdpbssd on 16 x 64 tiles), `iters` rounds of 4 (int8_peak_gops).
+void amx_chains(int64_t iters);
 
 }  // namespace int8
 }  // namespace freetoken

@@ -45,6 +45,7 @@
 #include "linear/int8_linear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "common/isa.h"
@@ -61,6 +62,15 @@ using namespace int8;  // NOLINT: this file is the int8 mode's entry
 namespace {
 
 bool use_vnni() { return cpu_has_vnni() && current_isa() == Isa::kAvx512; }
+std::atomic<bool>& amx_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+// The AMX loop takes a 32-value format's panels where the CPU has AMX-INT8, from kAmxRows rows:
+// below, widening the 4-bit codes for the tiles costs what the tiles save (SmolLM2's Q4_1, two
+// threads: 16 rows 1.1x the VNNI loop's time, 32 rows 0.85-1.0x, 128 rows 0.75-0.9x).
+constexpr int64_t kAmxRows = 32;
+bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 // AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
@@ -278,7 +288,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor y = at::empty({M, mat.N}, x.options());
   if (M == 0) return y;
   ActStore store = quantize(x, mat.xblock);
-  const bool vnni = use_vnni(), avx2 = use_avx2();
+  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = M >= kAmxRows && use_amx();
   // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
   // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
   // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
@@ -289,6 +299,10 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
     for (int64_t p = p0; p < p1; ++p) {
       const PanelInfo& pi = mat.panels[p];
 #if FT_HAS_ISA_VARIANTS
+      if (amx) {
+        run_panel_amx(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        continue;
+      }
       if (vnni) {
         run_panel_vnni(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
         continue;
@@ -310,18 +324,31 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+bool int8_amx_available() { return use_vnni() && cpu_has_amx(); }
+
+bool set_int8_amx(bool allowed) { return amx_allowed().exchange(allowed); }
+
+std::string int8_bound_loop() {
+  if (use_amx()) return "tdpbssd (AMX-INT8)";
+  if (use_vnni()) return "vpdpbusd (AVX512-VNNI)";
+  return use_avx2() ? "vpmaddubsw+vpaddw (AVX2)" : "";
+}
+
 double int8_peak_gops(int64_t iters, int64_t threads) {
-  const bool vnni = use_vnni(), avx2 = use_avx2();
+  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = use_amx();
   TORCH_CHECK_VALUE(vnni || avx2,
                     "int8_peak_gops: the portable int8 loop is in use (no AVX512-VNNI or AVX2)");
 #if FT_HAS_ISA_VARIANTS
   const auto t0 = std::chrono::steady_clock::now();
   TaskPool::get().run(threads, static_cast<int>(threads), [&](int64_t) {
-    if (vnni) vnni_chains(iters);
+    if (amx) amx_chains(iters / 16);
+    else if (vnni) vnni_chains(iters);
     else avx2_int8_chains(iters);
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double products = vnni ? 64.0 * 12 : 32.0 * 6;  // a round's
+  // a round's (AMX: a sixteenth of the rounds, each 4 tile products of 16 x 16 x 64)
+  const double products = amx ? 4.0 * 16 * 16 * 64 * static_cast<double>(iters / 16) / iters
+                              : vnni ? 64.0 * 12 : 32.0 * 6;
   return 2.0 * products * static_cast<double>(iters) * threads / s / 1e9;
 #else
   return 0;

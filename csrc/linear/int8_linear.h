@@ -52,9 +52,19 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
 // True when this CPU runs the VNNI kernel (else the portable one: the same results).
 bool int8_vnni_available();
 
+// True when this CPU has AMX-INT8 and the process may use its tiles: the int8 linear then takes
+// the AMX loop for the 32-value formats from 32 rows up (the same bits as the VNNI loop).
+bool int8_amx_available();
+// Allows (true, the default) or forbids the AMX loop; returns the previous setting (tests, A/B).
+bool set_int8_amx(bool allowed);
+// The instructions int8_peak_gops times, those of the fastest int8 loop in use: "tdpbssd
+// (AMX-INT8)", "vpdpbusd (AVX512-VNNI)", "vpmaddubsw+vpaddw (AVX2)", or "" (portable).
+std::string int8_bound_loop();
+
 // The int8 compute bound: giga int8 operations (2 a product) a second of `threads` threads each
-// running `iters` rounds of register-only products in the instructions of the loop the kernel
-// runs: 12 vpdpbusd (AVX512-VNNI), else 6 vpmaddubsw + vpaddw (AVX2) (benchmarks).
+// running `iters` rounds of register-only products in the instructions of the fastest loop the
+// kernel runs: AMX tile products (16 x 16 x 64) where it takes the AMX loop, else 12 vpdpbusd
+// (AVX512-VNNI), else 6 vpmaddubsw + vpaddw (AVX2) (benchmarks).
 double int8_peak_gops(int64_t iters, int64_t threads);
 
 }  // namespace freetoken

@@ -91,12 +91,24 @@ def int8_peak_gops(iters: int, threads: int) -> float:
     return _C.int8_peak_gops(int(iters), int(threads))
 
 
-def int8_bound_loop() -> str | None:
-    """The instructions int8_peak_gops times, those of the int8 loop that runs on this CPU at
-    the ISA in use: 'vpdpbusd (AVX512-VNNI)', 'vpmaddubsw+vpaddw (AVX2)', or None (portable)."""
-    from freetoken.ops.backend import cpu_isa
+def int8_amx_available() -> bool:
+    """True when this CPU has AMX-INT8 and the process may use its tiles: the int8 linear then
+    computes the 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from 32 rows up with tile
+    products, with the same bits as the VNNI loop."""
+    return _C is not None and _C.int8_amx_available()
 
-    isa = cpu_isa()
-    if isa == "avx512" and int8_vnni_available():
-        return "vpdpbusd (AVX512-VNNI)"
-    return "vpmaddubsw+vpaddw (AVX2)" if isa in ("avx512", "avx2") else None
+
+def set_int8_amx(allowed: bool) -> bool:
+    """Allows (the default) or forbids the int8 linear's AMX loop, for tests and A/B runs;
+    returns the previous setting."""
+    from freetoken.ops.backend import require_ext
+
+    require_ext("set_int8_amx")
+    return _C.set_int8_amx(bool(allowed))
+
+
+def int8_bound_loop() -> str | None:
+    """The instructions int8_peak_gops times, those of the fastest int8 loop in use on this CPU
+    at the ISA in use: 'tdpbssd (AMX-INT8)', 'vpdpbusd (AVX512-VNNI)', 'vpmaddubsw+vpaddw
+    (AVX2)', or None (portable, or no extension)."""
+    return (_C.int8_bound_loop() or None) if _C is not None else None

@@ -297,5 +297,50 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
             ops.int8_peak_gops(1000, 1)
         return
     vnni = isa == "avx512" and ops.int8_vnni_available()
-    assert loop == ("vpdpbusd (AVX512-VNNI)" if vnni else "vpmaddubsw+vpaddw (AVX2)")
+    amx = vnni and ops.int8_amx_available()
+    assert loop == ("tdpbssd (AMX-INT8)" if amx else "vpdpbusd (AVX512-VNNI)" if vnni
+                    else "vpmaddubsw+vpaddw (AVX2)")
     assert ops.int8_peak_gops(20_000, 1) > 0
+    if amx:  # the bound follows the loop: the VNNI one while the AMX loop is forbidden
+        before = ops.set_int8_amx(False)
+        try:
+            assert ops.int8_bound_loop() == "vpdpbusd (AVX512-VNNI)"
+            assert ops.int8_peak_gops(20_000, 1) > 0
+        finally:
+            ops.set_int8_amx(before)
+
+
+LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the AMX loop's formats
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_and_vnni_loops_give_the_same_bits(threads):
+    """Where the CPU has AMX-INT8, the 32-value formats from 32 rows up take tile products;
+    their integer sums and fp32 steps are the VNNI loop's, so every bit agrees, whatever the
+    row count (whole tiles of 16 and the rows after them; below 32 rows the VNNI loop), in a matrix beside a K-quant (x then
+    quantized per 256), with a bias, on 1 or 2 threads; and both are the reference's bits."""
+    if not ops.int8_amx_available():
+        pytest.skip("needs a CPU with AMX-INT8")
+    cases = [([(t, random_rows(t, 37, k_for(t, 7), seed=20 + i))], k_for(t, 7), t)
+             for i, t in enumerate(LEGACY_TYPES)]
+    cases.append(([("Q4_K", random_rows("Q4_K", 16, 512, 30)),
+                   ("Q8_0", random_rows("Q8_0", 21, 512, 31))], 512, None))
+    before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for parts, k, type_ in cases:
+            weight, _ = int8_matrix(parts, k)
+            n = sum(rows.shape[0] for _, rows in parts)
+            x, bias = varied_rows(71, k), torch.randn(n)
+            for m in (16, 31, 32, 47, 64, 71):
+                ops.set_int8_amx(True)
+                amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                ops.set_int8_amx(False)
+                vnni = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                assert torch.equal(amx, vnni), (parts[-1][0], m)
+            if type_ is not None:
+                ref = reference(x.numpy(), weight, type_) + bias.numpy()
+                np.testing.assert_array_equal(amx.numpy(), ref)
+    finally:
+        ops.set_int8_amx(before)
+        torch.set_num_threads(threads_before)
