@@ -23,6 +23,16 @@ __all__ = ["LlamaForCausalLM", "ModelConfig", "build_model"]
 logger = logging.getLogger("freetoken.model")
 
 
+def int8_loops() -> str:
+    """The int8 mode's loops on this CPU, for the start-up log."""
+    if ops.cpu_isa() == "base":
+        return "portable loop"
+    if not (ops.int8_vnni_available() and ops.cpu_isa() == "avx512"):
+        return "AVX2"
+    return "AVX512-VNNI" + (", AMX-INT8 tiles for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 steps of 32+ rows"
+                            if ops.int8_amx_available() else "")
+
+
 def build_model(
     config: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -64,9 +74,8 @@ def build_model(
         logger.info("linear layers: int8 compute mode: %s weights' codes repacked for integer dot "
                     "products (%s), activations quantized to int8 per block of 32 (256 for "
                     "K-quants)%s",
-                    "/".join(int8_types) or "no", "AVX512-VNNI" if ops.int8_vnni_available()
-                    and ops.cpu_isa() == "avx512" else "AVX2" if ops.cpu_isa() != "base"
-                    else "portable loop", f"; {'/'.join(exact_types)} weights computed exact "
+                    "/".join(int8_types) or "no", int8_loops(), f"; {'/'.join(exact_types)} "
+                    "weights computed exact "
                     "(no int8 kernel)" if exact_types else "")
     elif repacked := sorted({ops.gguf_panel_type(w) for w in weights} - {None}):
         in_place = sum(packed_form(w) == "gguf" for w in weights)
