@@ -1,8 +1,9 @@
-// The int8 mode's AMX loop (CPUs with AMX-INT8: Sapphire Rapids and later), for the panels of the
-// 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from 32 rows up. One tile product (tdpbsud:
-// x's int8 rows times the panel's unsigned codes) gives a group's integer sums for 16 rows and
-// the panel's 16 outputs at once: the same exact int32 that the VNNI loop's vpdpbusd chains add
-// up. The fp32 steps that follow are the VNNI loop's, in its order, so the bits are the same.
+// The int8 mode's AMX loop (CPUs with AMX-INT8: Sapphire Rapids and later), for steps of 32 rows
+// and more, every int8 format. One tile product (tdpbsud: x's int8 rows times the panel's
+// unsigned codes) gives a group's integer sums for 16 rows and the panel's 16 outputs at once:
+// the same exact int32 that the VNNI loop's vpdpbusd chains add up. What follows is the VNNI
+// loop's own code (int8_vnni.h: a group's fp32 step; a K-quant's scales in integer, then its
+// superblock's fp32 step), so the bits are the same.
 //
 // Why: in the VNNI loop a group's fp32 steps (convert, scale, add; the min's product and add)
 // take the same two vector pipes as its 8 vpdpbusd a row, and the loop ran at ~0.3 of the
@@ -22,14 +23,15 @@
 #include <vector>
 
 #include "linear/int8_kernels.h"
+#include "linear/int8_vnni.h"
 
 namespace freetoken {
 namespace int8 {
 
 #if FT_HAS_ISA_VARIANTS && defined(__linux__)
 #define FT_TARGET_AMX                                                                       \
-  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma," \
-                        "f16c")))
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,"  \
+                        "avx2,fma,f16c")))
 
 namespace {
 
@@ -52,12 +54,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0-1 C, tmm2-3 A, tmm4-5 B (the module comment); the bound loop's 16 x 64 tiles on tmm0-7.
-TileConfig loop_config(bool bound) {
+// tmm0-1 C, tmm2-3 A (16 x group bytes), tmm4-5 B (group / 4 x 64) for groups of `group` (32,
+// or Q6_K's 16); group 0: the bound loop's 16 x 64 tiles on tmm0-7.
+TileConfig loop_config(int group) {
   TileConfig c;
-  for (int t = 0; t < (bound ? 8 : 6); ++t) {
-    c.rows[t] = !bound && t >= 4 ? 8 : kRows;
-    c.colsb[t] = !bound && (t == 2 || t == 3) ? 32 : 64;
+  for (int t = 0; t < (group ? 6 : 8); ++t) {
+    c.rows[t] = group && t >= 4 ? group / 4 : kRows;
+    c.colsb[t] = group && (t == 2 || t == 3) ? group : 64;
   }
   return c;
 }
@@ -66,37 +69,43 @@ FT_TARGET_AMX void load_config(const TileConfig& c) {
   asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
 }
 
-FT_TARGET_AMX FT_INLINE __m512 no_contract512(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
-
-FT_TARGET_AMX FT_INLINE __m512 halfs16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// The panel's codes as tdpbsud's B operands, a group's 8 x 64 bytes after another: the panel
-// itself for byte codes, else its 4-bit codes widened into buf (units * 512 bytes), once a call.
+// The panel's codes as tdpbsud's B operands, group after group (group / 4 rows of 64 bytes, row
+// r: codes 4r..4r+3 of each output): byte codes are read in place (b_tile), 4- and 6-bit codes
+// are widened into buf (a group's tile at buf + its index * group * 16), once a call.
 // NOTE: widened once for all the rows, not a group at a time: a tile load of bytes stored just
 // before waits for them to reach the cache.
 template <int KIND>
-FT_TARGET_AMX FT_INLINE const uint8_t* codes_tiles(const uint8_t* data, int64_t units,
-                                                   uint8_t* buf) {
-  if constexpr (kKinds[KIND].codes == kByte) {
-    return data;
-  } else {
-    const __m512i low4 = _mm512_set1_epi8(15);
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* codes = data + u * unit_bytes(KIND);
-      uint8_t* out = buf + 512 * u;
-      for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
-        const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-        _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, low4));
-        _mm512_store_si512(out + 256 + 64 * t, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, uint8_t* buf) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int PER = ki.unit / ki.group;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t u = 0; u < units; ++u) {
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = data + u * unit_bytes(KIND) + head_bytes(KIND) + j * group_bytes(KIND);
+      uint8_t* out = buf + (u * PER + j) * ki.group * 16;
+      if constexpr (ki.codes == kNib) {
+        for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
+          const __m512i v = _mm512_loadu_si512(codes + 64 * t);
+          _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, low4));
+          _mm512_store_si512(out + 256 + 64 * t,
+                             _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+      } else if constexpr (ki.codes == kSix) {
+        __m512i v[4];
+        six_bit_steps(codes, v);
+        for (int t = 0; t < 4; ++t) _mm512_store_si512(out + 64 * t, v[t]);
       }
     }
-    return buf;
   }
+}
+
+// Group j of unit u's B tile.
+template <int KIND>
+FT_INLINE const uint8_t* b_tile(const uint8_t* data, const uint8_t* buf, int64_t u, int j) {
+  constexpr KindInfo ki = kKinds[KIND];
+  if constexpr (ki.codes == kByte)
+    return data + u * unit_bytes(KIND) + head_bytes(KIND) + j * group_bytes(KIND);
+  return buf + (u * (ki.unit / ki.group) + j) * ki.group * 16;
 }
 
 // One group's tile product for 16 rows of x (at xq, row stride K) against the codes tile b, on
@@ -123,70 +132,85 @@ FT_TARGET_AMX FT_INLINE void store_sums(int32_t* sums) {
   else FT_TILE_STORE(1, sums, 64);
 }
 
-// Group u's fp32 steps for rows [m0, m0 + 16), from its tile product's sums: panel_rows_vnni's.
-template <int KIND>
-FT_TARGET_AMX FT_INLINE void group_steps(const uint8_t* data, int32_t c, const Acts& x, int64_t m0,
-                                         int64_t u, const int32_t* sums, __m512 (&acc)[kRows]) {
-  const int64_t ld32 = x.K / kXBlock;
-  const uint8_t* codes = data + u * unit_bytes(KIND);
-  const __m512 a = halfs16(codes + code_bytes(KIND));
-  __m512 b = _mm512_setzero_ps();
-  if constexpr (has_min(KIND)) b = halfs16(codes + code_bytes(KIND) + 32);
-#pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) {
-    const int64_t xb = (m0 + m) * ld32 + u;
-    __m512i P = _mm512_load_si512(sums + m * kPanel);
-    if constexpr (!has_min(KIND)) P = _mm512_sub_epi32(P, _mm512_set1_epi32(c * x.s32[xb]));
-    const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
-    acc[m] = _mm512_add_ps(acc[m], no_contract512(_mm512_mul_ps(_mm512_cvtepi32_ps(P), t)));
-    if constexpr (has_min(KIND))
-      acc[m] = _mm512_add_ps(acc[m], no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
-  }
+// Group j's sums for 16 rows from tile set S's product (stored to sums), as registers.
+template <int S>
+FT_TARGET_AMX FT_INLINE void stored_sums(int32_t* sums, __m512i (&P)[kRows]) {
+  store_sums<S>(sums);
+  for (int m = 0; m < kRows; ++m) P[m] = _mm512_load_si512(sums + m * kPanel);
 }
 
-// Rows [m0, m0 + 16) against one panel into y, its codes tiles at b (codes_tiles). Group u's
-// product goes out before group u - 1's fp32 steps, on the other tile set.
+// Rows [m0, m0 + 16) of a 32-value panel into y, its B tiles from widen_codes' buf. Group u's
+// product goes out before group u - 1's fp32 step, on the other tile set.
+// NOTE: a group's sums are stored one group later, just before its step: stored right after its
+// product, the store waited for the product and held up the step behind it.
 template <int KIND>
-FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* b, const PanelInfo& pi,
+FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const PanelInfo& pi,
                             const Acts& x, int64_t m0, float* y, int64_t N, const float* bias) {
-  const int64_t units = x.K / 32, b_stride = kKinds[KIND].codes == kByte ? unit_bytes(KIND) : 512;
+  const int64_t units = x.K / 32;
   alignas(64) int32_t sums[2][kRows * kPanel];
   __m512 acc[kRows];
+  __m512i P[kRows];
   for (int m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_ps();
   const int8_t* xq = x.q + m0 * x.K;
-  // NOTE: a group's sums are stored one group later, just before its fp32 steps: stored right
-  // after its product, the store waited for the product and held up the steps behind it.
-  for (int64_t u = 0; u < units; ++u) {
-    if (u % 2 == 0) {
-      group_product<0>(b + u * b_stride, xq + 32 * u, x.K);
-      if (u > 0) store_sums<1>(sums[1]);
-    } else {
-      group_product<1>(b + u * b_stride, xq + 32 * u, x.K);
-      store_sums<0>(sums[0]);
-    }
-    if (u > 0) group_steps<KIND>(data, pi.c, x, m0, u - 1, sums[(u - 1) % 2], acc);
+  for (int64_t u = 0; u <= units; ++u) {
+    if (u < units && u % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u, 0), xq + 32 * u, x.K);
+    if (u < units && u % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u, 0), xq + 32 * u, x.K);
+    if (u == 0) continue;
+    if ((u - 1) % 2 == 0) stored_sums<0>(sums[0], P);
+    else stored_sums<1>(sums[1], P);
+    group_step<kRows, KIND>(data + (u - 1) * unit_bytes(KIND), pi.c, x, m0, u - 1, P, acc);
   }
-  if ((units - 1) % 2 == 0) store_sums<0>(sums[0]);
-  else store_sums<1>(sums[1]);
-  group_steps<KIND>(data, pi.c, x, m0, units - 1, sums[(units - 1) % 2], acc);
   alignas(64) float out[kRows * kPanel];
   for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, acc[m]);
+  store_rows(out, kRows, m0, pi, y, N, bias);
+}
+
+// Rows [m0, m0 + 16) of a K-quant panel into y: group by group the tile products (pipelined as
+// rows_amx's), each group's sums times its integer scales into I, then the superblock's step.
+template <int KIND>
+FT_TARGET_AMX void rows_amx_k(const uint8_t* data, const uint8_t* buf, const PanelInfo& pi,
+                              const Acts& x, int64_t m0, float* y, int64_t N, const float* bias) {
+  constexpr int G = kKinds[KIND].group, PER = 256 / G;
+  const int64_t units = x.K / 256;
+  alignas(64) int32_t sums[2][kRows * kPanel];
+  alignas(64) float out[kRows * kPanel];
+  for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, _mm512_setzero_ps());
+  const int8_t* xq = x.q + m0 * x.K;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* unit = data + u * unit_bytes(KIND);
+    __m512i I[kRows], P[kRows];
+    for (int m = 0; m < kRows; ++m) I[m] = _mm512_setzero_si512();
+    for (int j = 0; j <= PER; ++j) {
+      const int8_t* xg = xq + u * 256 + j * G;
+      if (j < PER && j % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u, j), xg, x.K);
+      if (j < PER && j % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u, j), xg, x.K);
+      if (j == 0) continue;
+      if ((j - 1) % 2 == 0) stored_sums<0>(sums[0], P);
+      else stored_sums<1>(sums[1], P);
+      add_scaled<kRows, KIND>(unit, j - 1, P, I);
+    }
+    superblock_step<kRows, KIND>(unit, pi.c, x, m0, u, I, out);
+  }
   store_rows(out, kRows, m0, pi, y, N, bias);
 }
 
 template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
                              float* y, int64_t N, const float* bias) {
-  static const TileConfig config = loop_config(false);
-  const int64_t units = x.K / 32, whole = M / kRows * kRows;
+  constexpr KindInfo ki = kKinds[KIND];
+  static const TileConfig config = loop_config(ki.group);
+  const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
+  const size_t widened_bytes = ki.codes == kByte ? 0 : units * ki.unit * 16 + 64;
   thread_local std::vector<uint8_t> widened;
-  if (kKinds[KIND].codes != kByte && widened.size() < static_cast<size_t>(units * 512 + 64))
-    widened.resize(units * 512 + 64);
+  if (widened.size() < widened_bytes) widened.resize(widened_bytes);
   uint8_t* buf = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
-  const uint8_t* b = codes_tiles<KIND>(data, units, buf);
+  if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
   load_config(config);
-  for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, b, pi, x, m0, y, N, bias);
+  for (int64_t m0 = 0; m0 < whole; m0 += kRows) {
+    if constexpr (ki.unit == 256) rows_amx_k<KIND>(data, buf, pi, x, m0, y, N, bias);
+    else rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
+  }
   asm volatile("tilerelease" ::: "memory");
   if (whole == M) return;
   // The last rows: the VNNI loop on the rows from `whole` (the same arithmetic per row).
@@ -207,13 +231,9 @@ bool tiles_permitted() {
 
 void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                    int64_t N, const float* bias) {
-  switch (pi.kind) {
-    case kNib32: return panel_amx<kNib32>(data, pi, x, M, y, N, bias);
-    case kNib32Min: return panel_amx<kNib32Min>(data, pi, x, M, y, N, bias);
-    case kByte32: return panel_amx<kByte32>(data, pi, x, M, y, N, bias);
-    case kByte32Min: return panel_amx<kByte32Min>(data, pi, x, M, y, N, bias);
-    default: return run_panel_vnni(data, pi, x, M, y, N, bias);  // the K-quants
-  }
+  with_kind(pi.kind, [&](auto kind) {
+    panel_amx<decltype(kind)::value>(data, pi, x, M, y, N, bias);
+  });
 }
 
 bool cpu_has_amx() {
@@ -227,7 +247,7 @@ bool cpu_has_amx() {
 }
 
 FT_TARGET_AMX void amx_chains(int64_t iters) {
-  static const TileConfig config = loop_config(true);
+  static const TileConfig config = loop_config(0);
   alignas(64) static const int8_t zeros[kRows * 64] = {};
   load_config(config);
   FT_TILE_LOAD(4, zeros, 64);

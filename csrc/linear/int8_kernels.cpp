@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include "linear/int8_vnni.h"
+
 namespace freetoken {
 namespace int8 {
 
@@ -87,27 +89,6 @@ void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
 
 // --- the VNNI kernel -----------------------------------------------------------------------------
 #if FT_HAS_ISA_VARIANTS
-#define FT_TARGET_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-FT_TARGET_VNNI FT_INLINE __m512 no_contract512(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
-
-// acc += codes . (the 4 int8 at p, broadcast to every lane): one vpdpbusd with its broadcast
-// folded into the load (GCC emits a separate vpbroadcastd for the intrinsic form).
-FT_TARGET_VNNI FT_INLINE __m512i dot4(__m512i acc, __m512i codes, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0"
-      : "+v"(acc)
-      : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
-
-FT_TARGET_VNNI FT_INLINE __m512 halfs16(const uint8_t* p) {
-  return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 FT_TARGET_VNNI FT_INLINE float hmax(__m512 v) {
   const __m256 a = _mm256_max_ps(_mm512_maskz_extractf32x8_ps(0xFF, v, 0),
                                  _mm512_maskz_extractf32x8_ps(0xFF, v, 1));
@@ -179,7 +160,7 @@ template <int MR, int KIND, bool TILED = false>
 FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, int64_t m0,
                                          int64_t k0, __m512i (&P)[MR]) {
   constexpr KindInfo ki = kKinds[KIND];
-  const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  const __m512i low4 = _mm512_set1_epi8(15);
   if constexpr (ki.codes == kNib) {
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
@@ -199,18 +180,9 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) P[m] = dot4(P[m], v, x_at<TILED>(x, m0, m, k0 + 4 * s));
     }
-  } else {  // 6-bit: the 4-bit plane (steps t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1)
-    const __m512i plane = _mm512_loadu_si512(codes + 128);
+  } else {
     __m512i v[4];
-    for (int t = 0; t < 2; ++t) {
-      const __m512i n = _mm512_loadu_si512(codes + 64 * t);
-      v[t] = _mm512_and_si512(n, low4);
-      v[t + 2] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
-    }
-    v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), hi2));
-    v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), hi2));
-    v[2] = _mm512_or_si512(v[2], _mm512_and_si512(plane, hi2));
-    v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), hi2));
+    six_bit_steps(codes, v);
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 16
@@ -227,62 +199,21 @@ FT_INLINE void prefetch_to(const uint8_t*& prefetched, const uint8_t* end) {
 template <int MR, int KIND>
 FT_TARGET_VNNI FT_INLINE void panel_rows_vnni(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
-  constexpr KindInfo ki = kKinds[KIND];
-  static_assert(ki.unit == 32 && ki.group == 32, "the K-quants take panel_rows_vnni_k");
-  const int64_t ld32 = x.K / kXBlock;
+  static_assert(kKinds[KIND].unit == 32 && kKinds[KIND].group == 32,
+                "the K-quants take panel_rows_vnni_k");
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* prefetched = data;
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* codes = data + u * unit_bytes(KIND);
     prefetch_to(prefetched, codes + group_bytes(KIND));
-    const int64_t k0 = u * 32;
-    const __m512 a = halfs16(codes + code_bytes(KIND));
-    __m512 b = _mm512_setzero_ps();
-    if constexpr (ki.scales == kHalfMin) b = halfs16(codes + code_bytes(KIND) + 32);
     __m512i P[MR];
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      if constexpr (has_min(KIND)) {
-        P[m] = _mm512_setzero_si512();
-      } else {
-        P[m] = _mm512_set1_epi32(-c * x.s32[(m0 + m) * ld32 + k0 / 32]);
-      }
-    }
-    group_dots<MR, KIND>(codes, x, m0, k0, P);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const int64_t xb = (m0 + m) * ld32 + k0 / kXBlock;
-      const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
-      acc[m] = _mm512_add_ps(
-          acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, P[m]), t)));
-      if constexpr (has_min(KIND))
-        acc[m] = _mm512_add_ps(acc[m],
-                               no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
-    }
+    for (int m = 0; m < MR; ++m) P[m] = _mm512_setzero_si512();
+    group_dots<MR, KIND>(codes, x, m0, u * 32, P);
+    group_step<MR, KIND>(codes, c, x, m0, u, P, acc);
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, acc[m]);
-}
-
-// Groups 2 p and 2 p + 1 of a unit's 8-bit numbers (16 outputs each, at g) as int16 pairs, lane
-// o = (g[2 p][o], g[2 p + 1][o]): vpdpwssd's operand.
-template <bool SIGNED>
-FT_TARGET_VNNI FT_INLINE __m512i group_pairs(const uint8_t* g, int p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32 * p));
-  const __m512i w = SIGNED ? _mm512_maskz_cvtepi8_epi16(0xFFFFFFFF, v)
-                           : _mm512_maskz_cvtepu8_epi16(0xFFFFFFFF, v);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                              9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                              17, 1, 16, 0);
-  return _mm512_maskz_permutexvar_epi16(0xFFFFFFFF, interleave, w);
-}
-
-// acc += pairs . (the two int16 at p, broadcast): one vpdpwssd.
-FT_TARGET_VNNI FT_INLINE __m512i dot2w(__m512i acc, __m512i pairs, const int16_t* p) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0"
-      : "+v"(acc)
-      : "v"(pairs), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
 }
 
 // Rows [m0, m0 + MR) against one K-quant panel (x quantized per 256): the superblock's arithmetic
@@ -292,16 +223,13 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
                                                 const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
   constexpr int G = ki.group, PER = 256 / G;
-  constexpr bool k4 = ki.scales == kK4;
   static_assert(ki.unit == 256, "a K-quant kind");
-  const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
   // The fp32 sums live in acc_out (L1), touched once a superblock: the registers go to the
   // integer sums, so that MR rows make MR independent vpdpbusd chains.
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc_out + m * kPanel, _mm512_setzero_ps());
   const uint8_t* prefetched = data;
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
-    const uint8_t* sc = unit + sc_offset(KIND);  // [PER][16] (Q6_K: int8)
     __m512i I[MR];
     for (int m = 0; m < MR; ++m) I[m] = _mm512_setzero_si512();
 #pragma GCC unroll 1
@@ -311,43 +239,9 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
       __m512i P[MR];
       for (int m = 0; m < MR; ++m) P[m] = _mm512_setzero_si512();
       group_dots<MR, KIND, TILED>(codes, x, m0, u * 256 + j * G, P);
-      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * j));
-      const __m512i scv = k4 ? _mm512_maskz_cvtepu8_epi32(0xFFFF, s8)
-                             : _mm512_maskz_cvtepi8_epi32(0xFFFF, s8);
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) I[m] = _mm512_add_epi32(I[m], _mm512_mullo_epi32(P[m], scv));
+      add_scaled<MR, KIND>(unit, j, P, I);
     }
-    // The second integer sum: Q4_K / Q5_K the mins times x's sums of 32; Q6_K its scales times
-    // x's sums of 16, for the offset c.
-    __m512i S[MR];
-    for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int p = 0; p < PER / 2; ++p) {
-      const __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m)
-        S[m] = dot2w(S[m], pairs, k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
-                                     : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p);
-    }
-    const __m512 d = halfs16(unit);
-    const __m512 nmin = k4 ? _mm512_xor_ps(halfs16(unit + 32), _mm512_set1_ps(-0.f))
-                           : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
-      if constexpr (!k4)
-        I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
-      const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
-      __m512 acc = _mm512_add_ps(
-          _mm512_loadu_ps(acc_out + m * kPanel),
-          no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, I[m]), t)));
-      if constexpr (k4) {
-        const __m512 t2 = no_contract512(_mm512_mul_ps(nmin, dx));
-        acc = _mm512_add_ps(
-            acc, no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, S[m]), t2)));
-      }
-      _mm512_storeu_ps(acc_out + m * kPanel, acc);
-    }
+    superblock_step<MR, KIND>(unit, c, x, m0, u, I, acc_out);
   }
 }
 

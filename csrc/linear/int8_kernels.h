@@ -102,9 +102,9 @@ int32_t avx2_int8_chains(int64_t iters);
 // True when the CPU has AVX512-VNNI (and BW, VL).
 bool cpu_has_vnni();
 
-// The AMX loop (int8_amx.cpp): rows [0, M) against a panel of a 32-value format, 16 rows a tile
-// product (tdpbsud) and the VNNI loop's fp32 steps, so the same bits; the rows past the last
-// whole 16 take the VNNI loop.
+// The AMX loop (int8_amx.cpp): rows [0, M) against a panel, 16 rows a tile product (tdpbsud)
+// and the VNNI loop's steps after the integer sums (int8_vnni.h), so the same bits; the rows past
+// the last whole 16 take the VNNI loop.
 void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                    int64_t N, const float* bias);
 // True when the CPU has AMX-INT8 and Linux lets this process use its tiles (asked once).

@@ -66,7 +66,7 @@ std::atomic<bool>& amx_allowed() {
   static std::atomic<bool> allowed{true};
   return allowed;
 }
-// The AMX loop takes a 32-value format's panels where the CPU has AMX-INT8, from kAmxRows rows:
+// The AMX loop takes every panel where the CPU has AMX-INT8, from kAmxRows rows:
 // below, widening the 4-bit codes for the tiles costs what the tiles save (SmolLM2's Q4_1, two
 // threads: 16 rows 1.1x the VNNI loop's time, 32 rows 0.85-1.0x, 128 rows 0.75-0.9x).
 constexpr int64_t kAmxRows = 32;
@@ -292,7 +292,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
   // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
   // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
-  if (vnni && mat.xblock == 256 && M > kTileRows) tile_rows(store);
+  if (vnni && !amx && mat.xblock == 256 && M > kTileRows) tile_rows(store);
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
   const auto run = [&](int64_t p0, int64_t p1) {

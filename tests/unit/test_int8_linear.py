@@ -310,19 +310,17 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
             ops.set_int8_amx(before)
 
 
-LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the AMX loop's formats
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_and_vnni_loops_give_the_same_bits(threads):
-    """Where the CPU has AMX-INT8, the 32-value formats from 32 rows up take tile products;
-    their integer sums and fp32 steps are the VNNI loop's, so every bit agrees, whatever the
-    row count (whole tiles of 16 and the rows after them; below 32 rows the VNNI loop), in a matrix beside a K-quant (x then
-    quantized per 256), with a bias, on 1 or 2 threads; and both are the reference's bits."""
+    """Where the CPU has AMX-INT8, steps from 32 rows up take tile products; their integer
+    sums (and a K-quant's scales in integer) and fp32 steps are the VNNI loop's, so every bit
+    agrees, every format, whatever the row count (whole tiles of 16 and the rows after them;
+    below 32 rows the VNNI loop), in a matrix beside a K-quant (x then quantized per 256), with
+    a bias, on 1 or 2 threads; and both are the reference's bits."""
     if not ops.int8_amx_available():
         pytest.skip("needs a CPU with AMX-INT8")
-    cases = [([(t, random_rows(t, 37, k_for(t, 7), seed=20 + i))], k_for(t, 7), t)
-             for i, t in enumerate(LEGACY_TYPES)]
+    cases = [([(t, random_rows(t, 37, k_for(t, 7 if block_of(t) < 256 else 2), seed=20 + i))],
+              k_for(t, 7 if block_of(t) < 256 else 2), t) for i, t in enumerate(INT8_TYPES)]
     cases.append(([("Q4_K", random_rows("Q4_K", 16, 512, 30)),
                    ("Q8_0", random_rows("Q8_0", 21, 512, 31))], 512, None))
     before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
