@@ -11,7 +11,7 @@ registers, --threads threads, best of 5) and each int8 rate is also given as its
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
         [--rows 1 8 64 224] [--layers N] [--types Q6_K ...] [--threads 2] [--no-panels]
-        [--int8]
+        [--int8] [--no-amx]
 
 --layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --types: only the
 matrices of these GGUF types; --no-panels: no fp32 panels. Progress goes to stderr; stdout
@@ -86,8 +86,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-panels", action="store_true")
     ap.add_argument("--int8", action="store_true", help="the int8 mode too, and its bound")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="the int8 mode without its AMX loop (the VNNI loop and bound instead)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.no_amx and ops.int8_amx_available():
+        ops.set_int8_amx(False)
     path = args.model or str(default_model_path())
     bound = None
     if args.int8:

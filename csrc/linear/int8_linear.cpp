@@ -2,8 +2,8 @@
 // block with an fp32 scale (32 values as llama.cpp's Q8_0; 256 when W holds a K-quant, as its
 // Q8_K) and W keeps its GGUF integer codes, so each group of 32 (16 for Q6_K) weights times x is
 // one exact integer dot product. Not exact: x loses its low bits (the exact mode is
-// gguf_linear.cpp). Three loops with the same bits: AVX512-VNNI, AVX2 (CPUs without VNNI),
-// portable (baseline x86-64).
+// gguf_linear.cpp). Four loops with the same bits: AMX-INT8 tiles (steps of 32+ rows where the CPU
+// has them, int8_amx.cpp), AVX512-VNNI, AVX2 (CPUs without VNNI), portable (baseline x86-64).
 //
 // The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
 // u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
