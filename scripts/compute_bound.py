@@ -125,8 +125,9 @@ BW_READ = [20e9]  # set from the measurement before linear_variants runs
 
 def int8_gops_peak(threads: int) -> float | None:
     """The int8 compute bound (GOP/s, 2 a product): the best of 5 rounds of register-only
-    products in the int8 loop's instructions on `threads` threads (ops.int8_peak_gops: vpdpbusd
-    with AVX512-VNNI, else vpmaddubsw + vpaddw); None where the portable loop runs."""
+    products in the int8 loop's instructions on `threads` threads (ops.int8_peak_gops: AMX tile
+    products where the AMX loop runs, else vpdpbusd with AVX512-VNNI, else vpmaddubsw + vpaddw);
+    None where the portable loop runs."""
     from freetoken import ops
 
     if ops.int8_bound_loop() is None:

@@ -10,10 +10,10 @@
 // vpdpbusd rate (SmolLM2's Q4_1 at 224 rows, Sapphire-Rapids-class Xeon). Here the tile unit
 // does the products and the vector pipes only the fp32 steps.
 //
-// Tiles: tmm0 / tmm1 the sums C [16 rows][16 outputs] int32, tmm2 / tmm3 x A [16 rows][32 int8]
-// (read in place, row stride K), tmm4 / tmm5 the codes B [8][64] (row r: codes 4r..4r+3 of each
-// output, the panel's own layout; 4-bit codes are widened to a byte first). Two sets, so that
-// one group's tile product overlaps the previous group's fp32 steps.
+// Tiles: tmm0 / tmm1 the sums C [16 rows][16 outputs] int32, tmm2 / tmm3 x A [16 rows][a group's
+// 32 int8, Q6_K's 16] (read in place, row stride K), tmm4 / tmm5 the codes B [group / 4][64] (row
+// r: codes 4r..4r+3 of each output, the panel's own layout; 4- and 6-bit codes are widened to a
+// byte first). Two sets, so that one group's tile product overlaps the previous group's steps.
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -39,11 +39,15 @@ namespace {
 // none, so a store to the codes buffer could sink below the load that reads it).
 #define FT_TILE_LOAD(t, p, stride) \
   asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<long>(stride)) : "memory")
-#define FT_TILE_STORE(t, p, stride) \
-  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<long>(stride)) : "memory")
+#define FT_TILE_STORE(t, p, stride)                                 \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p),        \
+               "r"(static_cast<long>(stride))                       \
+               : "memory")
 #define FT_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
-#define FT_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
-#define FT_TILE_DPBSSD(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+#define FT_TILE_DPBSUD(c, a, b) \
+  asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+#define FT_TILE_DPBSSD(c, a, b) \
+  asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
 
 constexpr int kRows = 16;  // rows a tile product
 

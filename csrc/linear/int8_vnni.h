@@ -55,8 +55,9 @@ FT_TARGET_VNNI FT_INLINE __m512i dot2w(__m512i acc, __m512i pairs, const int16_t
   return acc;
 }
 
-// A 6-bit group's 16 codes an output as four vectors of bytes, vector s holding codes 4 s .. 4 s + 3
-// of each output: the 4-bit plane (vectors t, t + 2) and the 2-bit plane (bits 2 s, 2 s + 1).
+// A 6-bit group's 16 codes an output as four vectors of bytes, vector s holding codes
+// 4 s .. 4 s + 3 of each output: the 4-bit plane (vectors t, t + 2) and the 2-bit plane (bits
+// 2 s, 2 s + 1).
 FT_TARGET_VNNI FT_INLINE void six_bit_steps(const uint8_t* codes, __m512i (&v)[4]) {
   const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
   const __m512i plane = _mm512_loadu_si512(codes + 128);
@@ -91,7 +92,8 @@ FT_TARGET_VNNI FT_INLINE void group_step(const uint8_t* codes, int32_t c, const 
     acc[m] = _mm512_add_ps(
         acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, p), t)));
     if constexpr (has_min(KIND))
-      acc[m] = _mm512_add_ps(acc[m], no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
+      acc[m] = _mm512_add_ps(acc[m],
+                             no_contract512(_mm512_mul_ps(b, _mm512_set1_ps(x.xs32[xb]))));
   }
 }
 
@@ -136,7 +138,8 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
-    if constexpr (!k4) I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
+    if constexpr (!k4)
+      I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
     const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
     __m512 acc = _mm512_add_ps(
         _mm512_loadu_ps(acc_out + m * kPanel),
