@@ -19,7 +19,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <vector>
 
 #include "linear/int8_kernels.h"

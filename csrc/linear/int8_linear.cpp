@@ -346,10 +346,11 @@ double int8_peak_gops(int64_t iters, int64_t threads) {
     else avx2_int8_chains(iters);
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // a round's (AMX: a sixteenth of the rounds, each 4 tile products of 16 x 16 x 64)
-  const double products = amx ? 4.0 * 16 * 16 * 64 * static_cast<double>(iters / 16) / iters
-                              : vnni ? 64.0 * 12 : 32.0 * 6;
-  return 2.0 * products * static_cast<double>(iters) * threads / s / 1e9;
+  // a thread's (AMX: iters / 16 rounds of 4 tile products of 16 x 16 x 64)
+  const double products = amx    ? 4.0 * 16 * 16 * 64 * static_cast<double>(iters / 16)
+                          : vnni ? 64.0 * 12 * static_cast<double>(iters)
+                                 : 32.0 * 6 * static_cast<double>(iters);
+  return 2.0 * products * threads / s / 1e9;
 #else
   return 0;
 #endif

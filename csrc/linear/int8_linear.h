@@ -53,7 +53,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
 bool int8_vnni_available();
 
 // True when this CPU has AMX-INT8 and the process may use its tiles: the int8 linear then takes
-// the AMX loop for the 32-value formats from 32 rows up (the same bits as the VNNI loop).
+// the AMX loop for steps of 32 rows and more (the same bits as the VNNI loop).
 bool int8_amx_available();
 // Allows (true, the default) or forbids the AMX loop; returns the previous setting (tests, A/B).
 bool set_int8_amx(bool allowed);

@@ -24,13 +24,13 @@ logger = logging.getLogger("freetoken.model")
 
 
 def int8_loops() -> str:
-    """The int8 mode's loops on this CPU, for the start-up log."""
-    if ops.cpu_isa() == "base":
+    """The int8 mode's loops on this CPU (the extension's choice), for the start-up log."""
+    loop = ops.int8_bound_loop()
+    if loop is None:
         return "portable loop"
-    if not (ops.int8_vnni_available() and ops.cpu_isa() == "avx512"):
-        return "AVX2"
-    return "AVX512-VNNI" + (", AMX-INT8 tiles for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 steps of 32+ rows"
-                            if ops.int8_amx_available() else "")
+    if "AMX" in loop:
+        return f"{loop} for steps of 32+ rows, vpdpbusd (AVX512-VNNI) below"
+    return loop
 
 
 def build_model(

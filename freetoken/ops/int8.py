@@ -93,8 +93,8 @@ def int8_peak_gops(iters: int, threads: int) -> float:
 
 def int8_amx_available() -> bool:
     """True when this CPU has AMX-INT8 and the process may use its tiles: the int8 linear then
-    computes the 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from 32 rows up with tile
-    products, with the same bits as the VNNI loop."""
+    computes steps of 32 rows and more with tile products, every int8 format, with the same bits
+    as the VNNI loop."""
     return _C is not None and _C.int8_amx_available()
 
 
