@@ -88,19 +88,18 @@ decltype(auto) with_format(Format f, Fn&& fn) {
 }
 
 constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk when M > MR_max
-// NOTE: the blocks are asked for this far ahead of the FMAs: a decode step reads
-// every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
-// waiting on them (SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole decode
-// step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike; a Xeon, into L1 or nta).
-// The requests go out a few lines at a time as the block is consumed (GroupBlocks::
+// NOTE: the blocks are asked for this far ahead of the FMAs, into L2 (prefetcht1): a decode step
+// reads every layer's blocks from DRAM once, and the hardware prefetchers alone left the kernel
+// waiting on them (a Xeon, SmolLM2 in the forward at 8 rows: gate_up 200 -> 165 us, the whole
+// decode step of 8 ~10 % faster; 768 to 6144 bytes ahead all help alike). Into L2, not L1: on
+// Zen 4 requests into L1 bought nothing (the one-row step 7.7-8.1 ms, as with none), into L2
+// SmolLM2's one-row step took 5.5-5.8 ms, 8 rows level; the fp32 panels and attention prefetch
+// into L2 too. The requests go out a few lines at a time as the block is consumed (GroupBlocks::
 // prefetch_part), not as one burst a block: a K-quant group's block row is 152 (Q4_K) or 276
 // (Q6_K) lines, and asking for them at once stalled the FMAs behind the line-fill buffers (1B
 // file, 8 layers' Q4_K: one row 24-26 -> 16-17 ms, 8 rows 44-46 -> 36-37; without any software
 // prefetch 22-24 and 41-43). A 32-value format's 6-9 lines go at once: spread, SmolLM2's Q8_0
-// lm_head and Q4_1 gate|up read 1.01-1.03x the time. Into L2 (prefetcht1), not L1: on Zen 4
-// the prefetcht0 requests bought nothing (the decode 1 x 1 step as without them, 7.7-8.1 ms),
-// into L2 they made SmolLM2's step 5.5-5.8 ms and the 1B file's 45.7-46.2 -> 36.6-38.6 ms, 8
-// rows level (the fp32 panels and attention prefetch into L2 too).
+// lm_head and Q4_1 gate|up read 1.01-1.03x the time.
 constexpr int64_t kPrefetchBytes = 1536;
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
@@ -328,7 +327,7 @@ struct GroupBlocks {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const uint8_t* ahead = at(j, b + kAheadBlocks);
-      for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);  // t1
+      for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
     }
   }
 };
