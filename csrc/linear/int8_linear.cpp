@@ -319,7 +319,8 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const double est_ns = std::max(static_cast<double>(mat.N) * mat.K / 20.0,
                                  static_cast<double>(M) * mat.N * mat.K / 300.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
-  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, mat.P);
+  const int64_t n =
+      std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
   TaskPool::get().run(n, nthreads, [&](int64_t t) { run(mat.P * t / n, mat.P * (t + 1) / n); });
   return y;
 }

@@ -518,12 +518,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const double w_bytes = static_cast<double>(h.P) * h.K * kNR * sizeof(WT);
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
-  // Tasks: contiguous panel ranges of >= kTaskBytes, up to 4 per thread (dynamic claiming), a
-  // multiple of the threads (3 equal tasks on 2 threads leave one idle a third of the call).
-  const int64_t ntasks = nthreads == 1 ? 1 : std::clamp<int64_t>(
-      static_cast<int64_t>(w_bytes / panel::kTaskBytes), nthreads, 4 * nthreads) /
-      nthreads * nthreads;
-  const int64_t n = std::min(ntasks, h.P);
+  const int64_t n = std::min(panel::pool_tasks(w_bytes, nthreads), h.P);
   // Ranges start on multiples of 8 panels, so no range leaves a short group (the paired kernel's
   // odd panel, or fewer than a small row tile's 2-8 panels: fewer FMA chains) in the middle.
   const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{7}; };

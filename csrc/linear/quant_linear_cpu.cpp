@@ -5,8 +5,8 @@
 //
 // Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
 // layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
-// as Q4_1 blocks are 80 MB (fp32 scales), and dequantizing them costs ~4 vector ops per 16
-// weights, shared by every row of the step. The results are the fp32 model's: no activation
+// as Q4_1 blocks are 66 MB, and dequantizing them costs ~4 vector ops per 16 weights, shared by
+// every row of the step. The results are the fp32 model's: no activation
 // is quantized, no product is rounded differently from the fp32 kernel's.
 //
 // Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
@@ -16,17 +16,17 @@
 // sub-block of 16, its q the code less 32 and its d gguf's d * sc (expand_k6_scales): d * sc
 // holds at most 11 + 8 significant bits and q at most 6, so both products are exact.
 //
-// Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into
-// blocks of 32 k: Q4_1: d[16], m[16] fp32, then 4 x 16 uint32 words, word [g][j] holding column
-// j's q of rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16], then 8 x 16 words, [g][j] holding
-// the int8 q of rows 4 g + t in bits 8 t .. 8 t + 7; Q4_K (blocks of 256 k): d[16], dmin[16]
-// fp32, 4 x 16 words of scales and mins (two sub-blocks' 6-bit sc | m << 8 each), then the 8
-// sub-blocks' words as Q4_1's; Q6_K (blocks of 256 k): d[16] fp32, the 16 sub-blocks' int8
-// scales as [16][16] bytes, then the codes less 32 as int8, [256][16] bytes. A row is then a
-// shift and a mask (Q8_0: two shifts, the second arithmetic) of one 64-byte vector, in 32-bit
-// lanes on every ISA (Q6_K: one sign-extending load of its 16 bytes, byte_row). The blocks of
-// each group of 4 panels interleave, block by block (block_index), so the kernel reads a group
-// as one stream.
+// Layout: panels of 16 output columns, as the fp32 panels (linear_cpu.cpp), each cut into blocks of
+// 32 k: Q4_1: d[16], m[16] fp16 (the file's, made fp32 once a block: 0.625 bytes a weight, as the
+// file, where fp32 scales made 0.75), then 4 x 16 uint32 words, word [g][j] holding column j's q of
+// rows 8 g + t in bits 4 t .. 4 t + 3; Q8_0: d[16] fp32, then 8 x 16 words, [g][j] holding the int8
+// q of rows 4 g + t in bits 8 t .. 8 t + 7; Q4_K (blocks of 256 k): d[16], dmin[16] fp32, 4 x 16
+// words of scales and mins (two sub-blocks' 6-bit sc | m << 8 each), then the 8 sub-blocks' words
+// as Q4_1's; Q6_K (blocks of 256 k): d[16] fp32, the 16 sub-blocks' int8 scales as [16][16] bytes,
+// then the codes less 32 as int8, [256][16] bytes. A row is then a shift and a mask (Q8_0: two
+// shifts, the second arithmetic) of one 64-byte vector, in 32-bit lanes on every ISA (Q6_K: one
+// sign-extending load of its 16 bytes, byte_row). The blocks of each group of 4 panels interleave,
+// block by block (block_index), so the kernel reads a group as one stream.
 //
 // Steps of more than gguf_few_rows() rows do not come here: linear_cpu.cpp decodes a block of
 // panels at a time into fp32 (decode_gguf_panels, below) and runs the fp32 panels' micro-kernels
@@ -142,7 +142,7 @@ struct Layout {
                                                         : kQ6_KBlockBytes;
   // sub-block s's kSubValues / kRows x 16 words in a block
   static FT_INLINE const uint8_t* words(const uint8_t* block, int s) {
-    return block + (F == panel::kQ4_1   ? 128
+    return block + (F == panel::kQ4_1   ? 64
                     : F == panel::kQ8_0 ? 64
                     : F == panel::kQ4_K ? 384 + s * 256
                                         : 320 + s * 256);
@@ -220,6 +220,44 @@ FT_INLINE typename Vec<L>::f row_weights(const uint8_t* q, typename Vec<L>::u wo
   }
 }
 
+// L fp16 at p as fp32 lanes (exact): one vcvtph2ps (inline asm, as byte_row's vpmovsxbd).
+template <int L>
+FT_INLINE typename Vec<L>::f halves(const uint8_t* p) {
+  typename Vec<L>::f f;
+  if constexpr (L == 16 || L == 8) {
+    typedef uint16_t h16 __attribute__((vector_size(2 * L)));
+    h16 h;
+    std::memcpy(&h, p, sizeof h);
+    if constexpr (L == 16)
+      asm("vcvtph2ps %1, %0" : "=v"(f) : "x"(h));
+    else
+      asm("vcvtph2ps %1, %0" : "=x"(f) : "x"(h));
+  } else {
+#pragma GCC unroll 16
+    for (int l = 0; l < L; ++l) {
+      c10::Half h;
+      std::memcpy(&h, p + 2 * l, sizeof h);
+      f[l] = static_cast<float>(h);
+    }
+  }
+  return f;
+}
+
+// Q4_1: a block's d[16], m[16] (fp16) as fp32 at out, lanes [v0 L, v1 L) of each only: once a
+// block, where the kernels read them once a word group.
+template <int L>
+FT_INLINE void expand_halves(const uint8_t* block, float* out, int v0, int v1) {
+  using vf = typename Vec<L>::f;
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+    for (int v = v0; v < v1; ++v) {
+      const vf f = halves<L>(block + (h * kNR + v * L) * 2);
+      std::memcpy(out + h * kNR + v * L, &f, sizeof f);
+    }
+  }
+}
+
 // Q4_K: a block's 8 sub-blocks' scales as [d * sc[16], -dmin * m[16]] each at out, so that
 // weight_row's q * d + m is gguf's (d * sc) * q - dmin * m: d * sc and dmin * m are exact
 // (11 x 6 significant bits), and so is their product with q, so both round once, at the end.
@@ -265,12 +303,13 @@ FT_INLINE void expand_k6_scales(const uint8_t* block, float* out, int v0, int v1
 }
 
 // The [d[16], m[16]] of sub-block s of a block of panel j of NP (int8 codes: d[16] alone): the
-// block's own (Q4_1, Q8_0), or for Q4_K / Q6_K those expand_k_scales / expand_k6_scales made
-// once per block (at(j): panel j's block; lanes [v0 L, v1 L) of each, all by default).
+// block's own (Q8_0), or those expand_halves / expand_k_scales / expand_k6_scales made once per
+// block (Q4_1 / Q4_K / Q6_K; at(j): panel j's block; lanes [v0 L, v1 L) of each, all by
+// default).
 template <int L, int NP, Format F>
 struct BlockScales {
-  static constexpr bool kExpanded = F == panel::kQ4_K || F == panel::kQ6_K;
-  static constexpr int kPerSub = F == panel::kQ4_K ? 2 * kNR : kNR;  // floats a sub-block
+  static constexpr bool kExpanded = F != panel::kQ8_0;
+  static constexpr int kPerSub = F == panel::kQ4_K || F == panel::kQ4_1 ? 2 * kNR : kNR;
   static constexpr int kPerBlock = Layout<F>::kSubs * kPerSub;
   alignas(64) float expanded[kExpanded ? NP * kPerBlock : 1];
   template <typename At>
@@ -281,6 +320,9 @@ struct BlockScales {
     } else if constexpr (F == panel::kQ6_K) {
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) expand_k6_scales<L>(at(j), expanded + j * kPerBlock, v0, v1);
+    } else if constexpr (F == panel::kQ4_1) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) expand_halves<L>(at(j), expanded + j * kPerBlock, v0, v1);
     } else {
       (void)at;
       (void)v0;
@@ -663,11 +705,10 @@ FT_INLINE uint32_t nibble_word(const uint8_t* p, bool high) {
 
 // GGUF row j's block at `s` into panel block `out` (module comment: the layout), by format.
 void fill_q4_1(const uint8_t* s, int j, uint8_t* out) {
-  float* d = reinterpret_cast<float*>(out);
-  d[j] = half_at(s);
-  d[kNR + j] = half_at(s + 2);
+  std::memcpy(out + 2 * j, s, 2);            // d
+  std::memcpy(out + 2 * (kNR + j), s + 2, 2);  // m
   const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
-  uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 4);
+  uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 2);
   for (int g = 0; g < 4; ++g) words[g * kNR + j] = nibble_word(qs + 8 * (g % 2), g >= 2);
 }
 
@@ -818,8 +859,7 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   const double est_ns = std::max({h.P * panel_bytes(h.format, h.K) / 20.0,
                                   chunks * weights / 12.0, 2.0 * M * weights / 80.0});
   const int nthreads = est_ns < kSplitNs ? 1 : at::get_num_threads();
-  // Tasks: a few contiguous panel ranges per thread (dynamic claiming absorbs a late helper).
-  const int64_t n = std::min<int64_t>(nthreads == 1 ? 1 : 4 * nthreads, h.P);
+  const int64_t n = std::min(pool_tasks(h.P * panel_bytes(h.format, h.K), nthreads), h.P);
   // NOTE: ranges start on multiples of 4 panels (a small row tile's group): a range ending in a
   // short group runs it at fewer FMA chains (one row, down's 36 panels in 8 ranges: +15-20 %).
   static_assert(kGroup == 4, "thread ranges start on a group");

@@ -24,7 +24,7 @@ matrix its form:
   * under "auto" and the exact mode, a matrix of one of block_panels_wanted's types (a small
     file: all of them; a larger one: its Q4_1 / Q4_K / Q6_K, LARGE_BLOCK_PANEL_TYPES): the
     blocks regrouped into panels (ops.pack_gguf_panels, csrc/linear/quant_linear_cpu.cpp; a
-    repacked copy at 1.2x / 1.06x / 1.06x / 1.31x the file's bytes (Q4_1 / Q8_0 / Q4_K / Q6_K),
+    repacked copy at 1.0x / 1.06x / 1.06x / 1.31x the file's bytes (Q4_1 / Q8_0 / Q4_K / Q6_K),
     whose pages of the file are then unmapped).
     Short steps dequantize them in registers, long ones decode a block of panels at a time into
     fp32 for the fp32 panels' micro-kernels: the fp32 panels' bits and, measured on SmolLM2, at
@@ -209,11 +209,11 @@ class GGUFMatrix:
 
 def block_panel_bytes(type: str, out_features: int, in_features: int) -> int:  # noqa: A002
     """The bytes of ops.pack_gguf_panels' tensor for a [out, in] weight of `type` (Q4_1 / Q8_0 /
-    Q4_K / Q6_K): a 64-byte header, then per 16 outputs and 32 inputs 16 fp32 scales (Q4_1: and
-    16 fp32 mins) and the 512 codes (4 or 8 bits); Q4_K per 16 outputs and 256 inputs 16 fp32 d,
-    16 fp32 dmin, 256 bytes of 6-bit scales and mins, and the 4096 nibbles; Q6_K 16 fp32 d, 256
-    bytes of int8 scales and the 4096 codes as int8."""
-    values, block = {"Q4_1": (32, 2 * 64 + 256), "Q8_0": (32, 64 + 512),
+    Q4_K / Q6_K): a 64-byte header, then per 16 outputs and 32 inputs Q4_1's 16 fp16 scales, 16
+    fp16 mins and 512 4-bit codes, Q8_0's 16 fp32 scales and 512 int8 codes; Q4_K per 16 outputs
+    and 256 inputs 16 fp32 d, 16 fp32 dmin, 256 bytes of 6-bit scales and mins, and the 4096
+    nibbles; Q6_K 16 fp32 d, 256 bytes of int8 scales and the 4096 codes as int8."""
+    values, block = {"Q4_1": (32, 2 * 32 + 256), "Q8_0": (32, 64 + 512),
                      "Q4_K": (256, 2 * 64 + 256 + 2048), "Q6_K": (256, 64 + 256 + 4096)}[type]
     return 64 + -(-out_features // 16) * (in_features // values) * block
 

@@ -25,14 +25,14 @@ def header_counts(path):
 
 
 def block_panels(path):
-    """The bytes of SmolLM2's Q4_1 / Q8_0 matrices as block panels (ops.pack_gguf_panels: 16
-    fp32 scales, Q4_1 also 16 fp32 mins, and 512 codes per 16 outputs x 32 inputs), and those
-    matrices' bytes in the file."""
+    """The bytes of SmolLM2's Q4_1 / Q8_0 matrices as block panels (ops.pack_gguf_panels, per
+    16 outputs x 32 inputs: Q4_1 16 fp16 scales, 16 fp16 mins and 256 bytes of codes; Q8_0 16
+    fp32 scales and 512 bytes of codes), and those matrices' bytes in the file."""
     panels = file = 0
     for t in GGUFReader(path).tensors:
         if len(t.shape) == 2:
             k, n = (int(s) for s in t.shape)
-            block = {"Q4_1": 384, "Q8_0": 576}[t.tensor_type.name]
+            block = {"Q4_1": 320, "Q8_0": 576}[t.tensor_type.name]
             panels += 64 + -(-n // 16) * (k // 32) * block
             file += int(t.n_bytes)
     return panels, file
