@@ -99,8 +99,12 @@ constexpr int64_t kBlockPanelsBytes = 128 << 10;  // panels walked per row chunk
 // (Q6_K) lines, and asking for them at once stalled the FMAs behind the line-fill buffers (1B
 // file, 8 layers' Q4_K: one row 24-26 -> 16-17 ms, 8 rows 44-46 -> 36-37; without any software
 // prefetch 22-24 and 41-43). A 32-value format's 6-9 lines go at once: spread, SmolLM2's Q8_0
-// lm_head and Q4_1 gate|up read 1.01-1.03x the time.
+// lm_head and Q4_1 gate|up read 1.01-1.03x the time. Q8_0 asks 8192 bytes ahead (15 blocks of a
+// panel, ~35 KB of the stream, not 3): SmolLM2's one-row step, where Q8_0 is the 28 MB lm_head,
+// took 0.95-0.98x the time (8 rows 0.99x); the same distance for every format cost that step
+// 1.05-1.4x (fresh processes), its Q4_1 matrices' ranges being 30-140 KB (Zen 4, 2 threads).
 constexpr int64_t kPrefetchBytes = 1536;
+constexpr int64_t prefetch_bytes(Format f) { return f == panel::kQ8_0 ? 8192 : kPrefetchBytes; }
 // NOTE: dequantizing makes these calls compute bound, so they scale with threads; as for the
 // fp32 panels (panel::kInlineNs) only calls estimated under this stay on the caller.
 constexpr double kSplitNs = panel::kInlineNs;
@@ -346,7 +350,7 @@ struct BlockScales {
 template <int NP, Format F>
 struct GroupBlocks {
   static constexpr int64_t kBlock = Layout<F>::kBytes;
-  static constexpr int64_t kAheadBlocks = (kPrefetchBytes + kBlock - 1) / kBlock;  // of a panel
+  static constexpr int64_t kAheadBlocks = (prefetch_bytes(F) + kBlock - 1) / kBlock;  // a panel's
   const uint8_t* first[NP];
   int64_t stride;  // one block on
   FT_INLINE GroupBlocks(const Args& a, int64_t p) {
@@ -361,7 +365,8 @@ struct GroupBlocks {
   static constexpr int kGroups = Layout<F>::kSubs * (Layout<F>::kSubValues / Layout<F>::kRows);
   static constexpr int kParts = Layout<F>::kValues > 32 ? kGroups : 1;
   // Asks for part `part` (a block's word group) of the lines of every panel's block
-  // kPrefetchBytes ahead of block b: each group takes its share, so the requests follow the reads.
+  // prefetch_bytes(F) ahead of block b: each group takes its share, so the requests follow the
+  // reads.
   FT_INLINE void prefetch_part(int64_t b, int part) const {
     if (part >= kParts) return;
     constexpr int64_t kLines = (kBlock + 63) / 64;
