@@ -6,8 +6,8 @@
 // Why: a decode step reads every weight once. SmolLM2's fp32 weights are 425 MB per step of
 // layers, read at ~25 GB/s here: ~18 ms a step whatever the row count up to ~8. The same weights
 // as Q4_1 blocks are 66 MB, and dequantizing them costs ~4 vector ops per 16 weights, shared by
-// every row of the step. The results are the fp32 model's: no activation
-// is quantized, no product is rounded differently from the fp32 kernel's.
+// every row of the step. The results are the fp32 model's: no activation is quantized, no product
+// is rounded differently from the fp32 kernel's.
 //
 // Exactness: Q4_1 is w = d * q + m with d, m fp16 and q in 0..15, Q8_0 is w = d * q with q int8.
 // d * q needs at most 11 + 8 significant bits, so it is exact in fp32, and fma(q, d, m) rounds
@@ -710,7 +710,7 @@ FT_INLINE uint32_t nibble_word(const uint8_t* p, bool high) {
 
 // GGUF row j's block at `s` into panel block `out` (module comment: the layout), by format.
 void fill_q4_1(const uint8_t* s, int j, uint8_t* out) {
-  std::memcpy(out + 2 * j, s, 2);            // d
+  std::memcpy(out + 2 * j, s, 2);              // d
   std::memcpy(out + 2 * (kNR + j), s + 2, 2);  // m
   const uint8_t* qs = s + 4;  // weight k < 16: qs[k] & 15; k >= 16: qs[k - 16] >> 4
   uint32_t* words = reinterpret_cast<uint32_t*>(out + 2 * kNR * 2);
@@ -861,10 +861,11 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
   const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);
   const double weights = static_cast<double>(h.P) * kNR * h.K;
-  const double est_ns = std::max({h.P * panel_bytes(h.format, h.K) / 20.0,
-                                  chunks * weights / 12.0, 2.0 * M * weights / 80.0});
+  const double bytes = static_cast<double>(h.P) * panel_bytes(h.format, h.K);
+  const double est_ns =
+      std::max({bytes / 20.0, chunks * weights / 12.0, 2.0 * M * weights / 80.0});
   const int nthreads = est_ns < kSplitNs ? 1 : at::get_num_threads();
-  const int64_t n = std::min(pool_tasks(h.P * panel_bytes(h.format, h.K), nthreads), h.P);
+  const int64_t n = std::min(pool_tasks(bytes, nthreads), h.P);
   // NOTE: ranges start on multiples of 4 panels (a small row tile's group): a range ending in a
   // short group runs it at fewer FMA chains (one row, down's 36 panels in 8 ranges: +15-20 %).
   static_assert(kGroup == 4, "thread ranges start on a group");
