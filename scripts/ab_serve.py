@@ -54,9 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=None)
     ap.add_argument("--logdir", default="/tmp/ab_serve")
+    ap.add_argument("--requests", nargs="+", default=[], metavar="WORKLOAD=N",
+                    help="requests a run for a workload (decode-1's default 2 is quick, noisy)")
     args = ap.parse_args(argv)
     os.makedirs(args.logdir, exist_ok=True)
     n_for = {"classify": 200, "classify-multi": 200, "decode": 16, "decode-4": 8, "decode-1": 2}
+    for item in args.requests:
+        wl, _, n = item.partition("=")
+        if wl not in n_for or not n.isdigit() or int(n) < 1:
+            ap.error(f"--requests {item!r}: want WORKLOAD=N, WORKLOAD one of {', '.join(n_for)}")
+        n_for[wl] = int(n)
     both = shlex.split(args.both_args)
     sides = [("A", args.a, both + args.a_args), ("B", args.b, both + args.b_args)]
     got: dict = {}

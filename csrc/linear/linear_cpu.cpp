@@ -519,9 +519,13 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const double est_ns = std::max(w_bytes / 20.0, 2.0 * M * h.N * h.K / 80.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
   const int64_t n = std::min(panel::pool_tasks(w_bytes, nthreads), h.P);
-  // Ranges start on multiples of 8 panels, so no range leaves a short group (the paired kernel's
-  // odd panel, or fewer than a small row tile's 2-8 panels: fewer FMA chains) in the middle.
-  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n & ~int64_t{7}; };
+  // Ranges start on multiples of `align` panels, so no range leaves a short group in the middle:
+  // one chunk of rows takes up to 8 panels at once (fewer: fewer FMA chains), more chunks take
+  // pairs (AVX-512) or single panels. NOTE: not 8 for many rows, where a coarser start only
+  // unbalances the threads: SmolLM2's 36-panel matrices split 16 | 20 and its fused k|v 8 | 16,
+  // and in a classify step (8 x ~28 rows) the caller waited for the helper's larger range.
+  const int64_t align = row_chunks(M, kern.mr_max, kern.mr_pairs) > 1 ? 2 : 8;
+  const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n / align * align; };
   TaskPool::get().run(n, nthreads, [&](int64_t t) { kern.run(a, start(t), start(t + 1)); });
 }
 
