@@ -389,7 +389,7 @@ class _TimedStream(StreamingResponse):
         async def timed_send(message) -> None:
             try:
                 await asyncio.wait_for(send(message), self.send_timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 self.on_timeout()
                 await self.body_iterator.aclose()
                 raise ClientDisconnect() from None
