@@ -492,13 +492,13 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
                        const float* b, at::Tensor& y) {
   const int64_t M = x.size(0);
   const Kernel<WT, XT> kern = pick_kernel<WT, XT>();
+  const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   const float* xp = nullptr;
   // GGUF-block panels: decoded a block at a time (run_decoded), x read in place
   const bool decoded = panel::is_gguf_blocks(h.format);
   if (!decoded && (M > 1 || !std::is_same_v<XT, float>)) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
-    const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
     const int tthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
     TaskPool::get().run(chunks, tthreads, [&](int64_t c) {
       kern.transpose(x.data_ptr<XT>(), M, h.K, c, chunks, xt.data_ptr<float>());
@@ -524,7 +524,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   // pairs (AVX-512) or single panels. NOTE: not 8 for many rows, where a coarser start only
   // unbalances the threads: SmolLM2's 36-panel matrices split 16 | 20 and its fused k|v 8 | 16,
   // and in a classify step (8 x ~28 rows) the caller waited for the helper's larger range.
-  const int64_t align = row_chunks(M, kern.mr_max, kern.mr_pairs) > 1 ? 2 : 8;
+  const int64_t align = chunks > 1 ? 2 : 8;
   const auto start = [&](int64_t t) { return t == n ? h.P : h.P * t / n / align * align; };
   TaskPool::get().run(n, nthreads, [&](int64_t t) { kern.run(a, start(t), start(t + 1)); });
 }
