@@ -535,8 +535,12 @@ FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   } else {
     // NOTE: 8 chains as the fp32 panels, but at most 4 panels at once: at one row, 8 panels'
     // blocks in flight cost the lm_head (49152 x 576 Q8_0) 1.10 -> 1.69 ms (8 streams), while 2
-    // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us)
-    constexpr int NP = std::min(4, panel::group_panels(MR * (kNR / L), panel::kChains));
+    // and 4 rows need the 8 chains (Q4_1 1536 x 576 at 4 rows: 57 -> 42 us). From 5 rows one
+    // panel: its 5-7 chains keep the FMAs busy, where two panels' 10-14 accumulators and their
+    // blocks' vectors spilled (Zen 4, one thread: Q4_1 1536 x 576 at 6 rows 0.180 -> 0.109 ms,
+    // Q4_K 2048 x 2048 0.944 -> 0.514; 3 rows on two panels instead of four: 1.08x the time).
+    constexpr int NP = MR >= 5 ? 1 : std::min(4, panel::group_panels(MR * (kNR / L),
+                                                                     panel::kChains));
     gguf_groups<L, MR, NP, F>(a, xr, r0, p0, p1);
   }
 }
