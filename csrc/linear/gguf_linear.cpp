@@ -606,8 +606,8 @@ FT_INLINE void reduce16x16(const float* a, float* out) {
 // --- the two loops -----------------------------------------------------------------------------
 
 struct Call {
-  const float* x;  // [M, K]
-  int64_t M, K, N;
+  const float* x;  // [M, K] at row stride ldx (in place, or padded: panel::few_rows_stride)
+  int64_t M, K, N, ldx;
   // x copied chunk by chunk, [chunk c][M][its k] (many rows only; else null), and the chunk (k,
   // whole blocks of every segment's type).
   const float* x_chunks;
@@ -646,7 +646,7 @@ FT_INLINE void few_rows_tile(const Call& c, int64_t m0, const uint8_t* const (&r
   const int64_t nb = c.K / kTypes[T].values;
   const float* xm[MR];  // (row pointers: from m * K, GCC reloaded K and rebuilt each address)
 #pragma GCC unroll 64
-  for (int m = 0; m < MR; ++m) xm[m] = c.x + (m0 + m) * c.K;
+  for (int m = 0; m < MR; ++m) xm[m] = c.x + (m0 + m) * c.ldx;
   for (int64_t b = 0; b < nb; ++b) {
     D blk[NR];
 #pragma GCC unroll 16
@@ -1053,13 +1053,18 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
     const int64_t rows = std::min(kRowBlock, M - m0);
     const float* xd = x.data_ptr<float>() + m0 * mat.K;
     const float* x_chunks = nullptr;
+    int64_t ldx = mat.K;
     if (rows > var.few_max) {
       x_store.resize(static_cast<size_t>(rows) * mat.K);
       copy_chunks(xd, rows, mat.K, chunk, x_store.data());
       x_chunks = x_store.data();
+    } else if (rows > 1) {
+      ldx = panel::few_rows_stride(mat.K);
+      xd = panel::rows_at_stride(xd, rows, mat.K, ldx, x_store);
     }
-    const Call c{xd, rows, mat.K, mat.N, x_chunks, chunk, b, y.data_ptr<float>() + m0 * mat.N,
-                 mat.rows, n0s.data(), n1s.data(), types.data()};
+    const Call c{xd, rows, mat.K, mat.N, ldx, x_chunks, chunk, b,
+                 y.data_ptr<float>() + m0 * mat.N, mat.rows, n0s.data(), n1s.data(),
+                 types.data()};
     TaskPool::get().run(n, nthreads, [&](int64_t t) {
       var.run(c, ntiles * t / n, ntiles * (t + 1) / n);
     });

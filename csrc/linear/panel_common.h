@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -77,6 +79,25 @@ inline int64_t pool_tasks(double weight_bytes, int nthreads) {
 // us (when a wake-up cost 10-40 us) most decode projections ran on one core: bf16 decode 1 x 1
 // forward 20.9 -> 14.1 ms at 20 us, fp32 panels (linear "panels") 8 x 1 29.3 -> 22.2.
 constexpr double kInlineNs = 20e3;
+
+// x's row stride for a few-rows loop, which reads its rows of x in place, side by side: K, or
+// K + 16 where rows K floats apart would fall in at most 4 of L1's 64 sets (K * 4 bytes a
+// multiple of 16 lines: 1536, 2048, 4096, 8192, 14336). There 9-16 rows' lines evicted each
+// other: Q4_1 2048 x 2048 at 16 rows took 2.0x the time of 8 rows twice (Zen 4, one thread).
+inline int64_t few_rows_stride(int64_t K) {
+  const int64_t bytes = K * static_cast<int64_t>(sizeof(float));
+  return bytes % 64 == 0 && std::gcd<int64_t>(bytes / 64, 64) >= 16 ? K + 16 : K;
+}
+
+// x [M, K] (contiguous) at row stride ld: x itself where ld == K, else its rows copied into
+// `store` (the caller's, reused).
+inline const float* rows_at_stride(const float* x, int64_t M, int64_t K, int64_t ld,
+                                   std::vector<float>& store) {
+  if (ld == K || M <= 1) return x;
+  store.resize(static_cast<size_t>(M * ld));
+  for (int64_t m = 0; m < M; ++m) std::memcpy(store.data() + m * ld, x + m * K, K * sizeof(float));
+  return store.data();
+}
 
 struct Header {
   int64_t N, K, P;  // P = ceil(N / kNR) panels

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -122,11 +123,11 @@ FT_INLINE int64_t block_index(int64_t p, int64_t b, int64_t nb, int64_t P) {
 }
 
 struct Args {
-  const float* x;     // [M, K], rows contiguous (read in place: no transposed copy)
+  const float* x;     // [M, K] at row stride ldx (in place, or padded: panel::few_rows_stride)
   const uint8_t* w;   // panels
   const float* bias;  // [N] or null
   float* y;           // [M, N]
-  int64_t M, N, K;
+  int64_t M, N, K, ldx;
 };
 
 // A format's panel blocks: kValues k each, in sub-blocks of kSubValues k whose weights are
@@ -528,7 +529,7 @@ template <int L, int MR, Format F>
 FT_INLINE void gguf_panels(const Args& a, int64_t r0, int64_t p0, int64_t p1) {
   const float* xr[MR];  // the chunk's rows
 #pragma GCC unroll 64
-  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.K;
+  for (int m = 0; m < MR; ++m) xr[m] = a.x + (r0 + m) * a.ldx;
   if constexpr (L == 8 && (MR >= 3 || Layout<F>::kNibbles)) {
     constexpr int HNP = MR <= 2 ? 4 : 1;  // 2 or 4 panels at 3-4 rows: 1.24-1.8x the time
     gguf_half_groups<L, MR, HNP, F>(a, xr, r0, p0, p1);
@@ -859,8 +860,10 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
   // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
   // could start, per call; the broadcasts hit L1 either way.
-  Args a{x.data_ptr<float>(), packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(),
-         M, h.N, h.K};
+  thread_local std::vector<float> x_store;  // the calling thread's, reused
+  const int64_t ldx = M > 1 ? few_rows_stride(h.K) : h.K;
+  Args a{rows_at_stride(x.data_ptr<float>(), M, h.K, ldx, x_store),
+         packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K, ldx};
   // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
   // 16 weights per row chunk, ~3 per ns) or the flops at ~80 GFLOP/s.
   const double chunks = static_cast<double>((M + kern.mr_max - 1) / kern.mr_max);
