@@ -34,6 +34,12 @@ def dequantize_gguf(rows: np.ndarray | torch.Tensor, type: str,  # noqa: A002
                     in_features: int) -> torch.Tensor:
     """rows [N, in_features / block * block bytes] uint8 of GGUF type `type` (for F32 / F16 /
     BF16: the raw bytes) -> [N, in_features] fp32, exactly gguf.quants.dequantize's values."""
+    if isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2 \
+            and gguf_dequantize_available(type):
+        # NOTE: straight to the kernel: the embedding decodes a row a step this way, and the
+        # numpy round trip below (and its warnings context) cost one served stream ~4 % of its
+        # tokens/s, waiting for the GIL at each of its calls (docs/benchmarks.md, stop 47)
+        return _C.gguf_dequantize(rows.contiguous(), type, in_features)
     array = np.ascontiguousarray(rows)
     array = array.view(np.uint8).reshape(array.shape[0], -1)  # [N, row bytes]
     if gguf_dequantize_available(type):

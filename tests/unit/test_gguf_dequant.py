@@ -63,6 +63,11 @@ def test_every_type_equals_the_gguf_package(isa, type_, blocks_per_row, n):
     want = reference(rows, type_, k)
     assert got.dtype == torch.float32 and got.shape == (n, k)
     assert torch.equal(got, want), (got - want).abs().max()
+    # the embedding's form: a uint8 tensor (its rows looked up from the file's mapping), taken
+    # straight to the kernel; every other row too (not contiguous)
+    table = torch.from_numpy(rows)
+    assert torch.equal(ops.dequantize_gguf(table, type_, k), want)
+    assert torch.equal(ops.dequantize_gguf(table[::2], type_, k), want[::2])
 
 
 @pytest.mark.parametrize("type_", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
@@ -91,6 +96,8 @@ def test_bad_rows_are_refused_with_the_reason():
         ops.dequantize_gguf(rows, "Q4_K", 250)
     with pytest.raises(RuntimeError, match="is 288 bytes, not 144"):
         ops.dequantize_gguf(rows, "Q4_K", 512)
+    with pytest.raises(RuntimeError, match="is 288 bytes, not 144"):
+        ops.dequantize_gguf(torch.from_numpy(rows), "Q4_K", 512)
     with pytest.raises(RuntimeError, match="no kernel for GGUF type Q9_9"):
         _C.gguf_dequantize(torch.from_numpy(rows), "Q9_9", 256)
 
