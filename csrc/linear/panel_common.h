@@ -95,7 +95,8 @@ inline const float* rows_at_stride(const float* x, int64_t M, int64_t K, int64_t
                                    std::vector<float>& store) {
   if (ld == K || M <= 1) return x;
   store.resize(static_cast<size_t>(M * ld));
-  for (int64_t m = 0; m < M; ++m) std::memcpy(store.data() + m * ld, x + m * K, K * sizeof(float));
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(store.data() + m * ld, x + m * K, K * sizeof(float));
   return store.data();
 }
 

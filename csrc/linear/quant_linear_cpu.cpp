@@ -857,9 +857,10 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
                        const float* bias, at::Tensor& y) {
   const int64_t M = x.size(0);
   const Kernel kern = with_format(h.format, [&]<Format F>() { return pick_kernel<F>(M); });
-  // NOTE: x is read in place, each row by its own pointer: transposing it into [K, mr] chunks
-  // first (as the fp32 panels do) was a serial ~1.5-4 us on the caller before the helpers
-  // could start, per call; the broadcasts hit L1 either way.
+  // NOTE: x is read in place, each row by its own pointer (copied only where its rows would
+  // share L1 sets: few_rows_stride): transposing it into [K, mr] chunks first (as the fp32
+  // panels do) was a serial ~1.5-4 us on the caller before the helpers could start, per call;
+  // the broadcasts hit L1 either way.
   thread_local std::vector<float> x_store;  // the calling thread's, reused
   const int64_t ldx = M > 1 ? few_rows_stride(h.K) : h.K;
   Args a{rows_at_stride(x.data_ptr<float>(), M, h.K, ldx, x_store),
