@@ -34,25 +34,27 @@ def dequantize_gguf(rows: np.ndarray | torch.Tensor, type: str,  # noqa: A002
                     in_features: int) -> torch.Tensor:
     """rows [N, in_features / block * block bytes] uint8 of GGUF type `type` (for F32 / F16 /
     BF16: the raw bytes) -> [N, in_features] fp32, exactly gguf.quants.dequantize's values."""
-    if isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2 \
-            and gguf_dequantize_available(type):
-        # NOTE: straight to the kernel: the embedding decodes a row a step this way, and the
-        # numpy round trip below (and its warnings context) cost one served stream ~4 % of its
-        # tokens/s, waiting for the GIL at each of its calls (docs/benchmarks.md, stop 47)
-        return _C.gguf_dequantize(rows.contiguous(), type, in_features)
-    array = np.ascontiguousarray(rows)
-    array = array.view(np.uint8).reshape(array.shape[0], -1)  # [N, row bytes]
-    if gguf_dequantize_available(type):
+    if not gguf_dequantize_available(type):
+        import gguf
+
+        out = gguf.quants.dequantize(_byte_rows(rows), gguf.GGMLQuantizationType[type])
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+    # NOTE: a uint8 tensor goes straight to the kernel: the embedding decodes a row a step this
+    # way, and the numpy round trip (and its warnings context) cost one served stream ~4 % of
+    # its tokens/s, waiting for the GIL at each of its calls (docs/benchmarks.md, stop 47)
+    if not (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2):
         with warnings.catch_warnings():
             # NOTE: a GGUF's memory map is read-only; the kernel only reads it, so torch's
             # warning about writing through a read-only array does not apply.
             warnings.simplefilter("ignore", UserWarning)
-            rows_t = torch.from_numpy(array)
-        return _C.gguf_dequantize(rows_t, type, in_features)
-    import gguf
+            rows = torch.from_numpy(_byte_rows(rows))
+    return _C.gguf_dequantize(rows.contiguous(), type, in_features)
 
-    out = gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type])
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+def _byte_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:
+    """rows as a contiguous [N, row bytes] uint8 array."""
+    array = np.ascontiguousarray(rows)
+    return array.view(np.uint8).reshape(array.shape[0], -1)
 
 
 @functools.cache
