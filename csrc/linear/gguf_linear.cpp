@@ -606,7 +606,7 @@ FT_INLINE void reduce16x16(const float* a, float* out) {
 // --- the two loops -----------------------------------------------------------------------------
 
 struct Call {
-  const float* x;  // [M, K] at row stride ldx (in place, or padded: panel::few_rows_stride)
+  const float* x;  // [M, K] at row stride ldx (in place, or padded: panel::x_row_stride)
   int64_t M, K, N, ldx;
   // x copied chunk by chunk, [chunk c][M][its k] (many rows only; else null), and the chunk (k,
   // whole blocks of every segment's type).
@@ -1059,7 +1059,7 @@ at::Tensor gguf_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
       copy_chunks(xd, rows, mat.K, chunk, x_store.data());
       x_chunks = x_store.data();
     } else if (rows > 1) {
-      ldx = panel::few_rows_stride(mat.K);
+      ldx = panel::x_row_stride(mat.K);
       xd = panel::rows_at_stride(xd, rows, mat.K, ldx, x_store);
     }
     const Call c{xd, rows, mat.K, mat.N, ldx, x_chunks, chunk, b,

@@ -100,6 +100,7 @@ struct Args {
   const panel::Header* gguf = nullptr;
   const uint8_t* blocks = nullptr;
   int64_t p_base = 0;
+  int64_t ldx = 0;  // the row stride of x where it is read in place (XIN; panel::x_row_stride)
 };
 
 // One panel row's L weights as fp32: a load, and for bf16 the exact widening (bits << 16).
@@ -136,7 +137,9 @@ FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahe
   using vf = typename Vec<L>::f;
   constexpr int V = kNR / L;  // vectors per panel row
   const int64_t K = a.K;
-  const float* x = a.x + r0 * K;  // XIN: row m of the chunk at x + m * K, else [K, MR]
+  // XIN: row m of the chunk at x + m * ldx, else the chunk [K, MR] at r0 * K
+  const int64_t ldx = a.ldx;
+  const float* x = a.x + r0 * (XIN ? ldx : K);
   const WT* wp[NP];
 #pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) wp[j] = a.w + (p0 + j - a.p_base) * K * kNR;
@@ -165,7 +168,7 @@ FT_INLINE void panel_group(const Args<WT>& a, int64_t r0, int64_t p0, Ahead& ahe
     }
 #pragma GCC unroll 64
     for (int m = 0; m < MR; ++m) {
-      const float xs = XIN ? x[m * K + k] : x[k * MR + m];
+      const float xs = XIN ? x[m * ldx + k] : x[k * MR + m];
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 64
@@ -494,6 +497,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   const Kernel<WT, XT> kern = pick_kernel<WT, XT>();
   const int64_t chunks = row_chunks(M, kern.mr_max, kern.mr_pairs);
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
+  thread_local std::vector<float> x_store;  // x's rows at a padded stride (decoded); reused
   const float* xp = nullptr;
   // GGUF-block panels: decoded a block at a time (run_decoded), x read in place
   const bool decoded = panel::is_gguf_blocks(h.format);
@@ -509,6 +513,19 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   }
   Args<WT> a{xp, nullptr, b, y.data_ptr<float>(), M, h.N, h.K};
   if (decoded) {
+    // x's rows in place, unless at K floats apart they would fall in a few L1 sets (1B's 2048
+    // and 8192): then copied at a padded stride.
+    a.ldx = panel::x_row_stride(h.K);
+    if (a.ldx != h.K && M > 1) {
+      x_store.resize(static_cast<size_t>(M * a.ldx));
+      float* xs = x_store.data();  // the caller's: thread_local names the helper's own there
+      const int cthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
+      TaskPool::get().run(chunks, cthreads, [&](int64_t c) {
+        for (int64_t m = M * c / chunks; m < M * (c + 1) / chunks; ++m)
+          std::memcpy(xs + m * a.ldx, xp + m * h.K, h.K * sizeof(float));
+      });
+      a.x = xs;
+    }
     a.gguf = &h;
     a.blocks = packed.data_ptr<uint8_t>() + h.offset;
   } else {

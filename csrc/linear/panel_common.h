@@ -80,11 +80,12 @@ inline int64_t pool_tasks(double weight_bytes, int nthreads) {
 // forward 20.9 -> 14.1 ms at 20 us, fp32 panels (linear "panels") 8 x 1 29.3 -> 22.2.
 constexpr double kInlineNs = 20e3;
 
-// x's row stride for a few-rows loop, which reads its rows of x in place, side by side: K, or
-// K + 16 where rows K floats apart would fall in at most 4 of L1's 64 sets (K * 4 bytes a
-// multiple of 16 lines: 1536, 2048, 4096, 8192, 14336). There 9-16 rows' lines evicted each
-// other: Q4_1 2048 x 2048 at 16 rows took 2.0x the time of 8 rows twice (Zen 4, one thread).
-inline int64_t few_rows_stride(int64_t K) {
+// x's row stride for a loop that reads its rows of x in place, side by side (the few-row loops,
+// and the fp32 kernels over decoded GGUF blocks): K, or K + 16 where rows K floats apart would
+// fall in at most 4 of L1's 64 sets (K * 4 bytes a multiple of 16 lines: 1536, 2048, 4096, 8192,
+// 14336). There 9-16 rows' lines evicted each other (Zen 4, one thread): Q4_1 2048 x 2048 at 16
+// rows took 2.0x the time of 8 rows twice; Q4_K 8192 x 2048 at 224 rows 1.38x the padded time.
+inline int64_t x_row_stride(int64_t K) {
   const int64_t bytes = K * static_cast<int64_t>(sizeof(float));
   return bytes % 64 == 0 && std::gcd<int64_t>(bytes / 64, 64) >= 16 ? K + 16 : K;
 }

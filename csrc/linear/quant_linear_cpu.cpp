@@ -123,7 +123,7 @@ FT_INLINE int64_t block_index(int64_t p, int64_t b, int64_t nb, int64_t P) {
 }
 
 struct Args {
-  const float* x;     // [M, K] at row stride ldx (in place, or padded: panel::few_rows_stride)
+  const float* x;     // [M, K] at row stride ldx (in place, or padded: panel::x_row_stride)
   const uint8_t* w;   // panels
   const float* bias;  // [N] or null
   float* y;           // [M, N]
@@ -858,11 +858,11 @@ void gguf_panel_linear(const at::Tensor& x, const at::Tensor& packed, const Head
   const int64_t M = x.size(0);
   const Kernel kern = with_format(h.format, [&]<Format F>() { return pick_kernel<F>(M); });
   // NOTE: x is read in place, each row by its own pointer (copied only where its rows would
-  // share L1 sets: few_rows_stride): transposing it into [K, mr] chunks first (as the fp32
+  // share L1 sets: x_row_stride): transposing it into [K, mr] chunks first (as the fp32
   // panels do) was a serial ~1.5-4 us on the caller before the helpers could start, per call;
   // the broadcasts hit L1 either way.
   thread_local std::vector<float> x_store;  // the calling thread's, reused
-  const int64_t ldx = M > 1 ? few_rows_stride(h.K) : h.K;
+  const int64_t ldx = M > 1 ? x_row_stride(h.K) : h.K;
   Args a{rows_at_stride(x.data_ptr<float>(), M, h.K, ldx, x_store),
          packed.data_ptr<uint8_t>() + h.offset, bias, y.data_ptr<float>(), M, h.N, h.K, ldx};
   // One thread's time, roughly: the blocks at ~20 GB/s, the dequantization (~4 vector ops per
