@@ -185,6 +185,21 @@ def test_products_are_the_reference_bits_in_every_batch(isa, type_):
             assert torch.equal(part, y[first:first + rows_in_step]), (rows_in_step, first)
 
 
+@pytest.mark.parametrize("type_", K_TYPES)
+def test_rows_that_share_l1_sets_are_the_reference_bits(isa, type_):
+    """At K = 2048 and 4096 every int8 row's line falls in one or two L1 sets; steps of 9-12
+    rows then read x from the tile copy (int8_linear.cpp): the same bits as the rows alone."""
+    for k in (2048, 4096):
+        weight, _ = int8_matrix([(type_, random_rows(type_, 19, k, seed=11))], k)
+        x = varied_rows(12, k)
+        for m in (9, 12):
+            y = ops.panel_linear(x[:m].contiguous(), weight)
+            np.testing.assert_array_equal(y.numpy(), reference(x[:m].numpy(), weight, type_))
+            for row in (0, m - 1):
+                one = ops.panel_linear(x[row:row + 1].contiguous(), weight)
+                assert torch.equal(one[0], y[row]), (k, m, row)
+
+
 # Where each format's fp16 scales lie in its block (set finite below; 0xFF bytes elsewhere).
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
