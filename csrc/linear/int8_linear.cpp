@@ -293,7 +293,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
   // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
   // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
-  // And from 9 rows where K bytes puts every row's line in one or two L1 sets (K = 4096, 8192):
+  // And from 9 rows where K bytes put every row's line in one or two L1 sets (K = 2048, 8192):
   // 12 rows in place evicted each other (1B ffn_down, 12 rows: 1.21x the time of K = 7936).
   const bool rows_share_sets = std::gcd<int64_t>(mat.K / 64, 64) >= 32;
   if (vnni && !amx && mat.xblock == 256 &&
