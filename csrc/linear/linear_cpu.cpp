@@ -499,7 +499,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   at::Tensor xt;  // one fp32 row is its own [K, 1] chunk: no copy
   thread_local std::vector<float> x_store;  // x's rows at a padded stride (decoded); reused
   const float* xp = nullptr;
-  // GGUF-block panels: decoded a block at a time (run_decoded), x read in place
+  // GGUF-block panels: decoded a block at a time (run_decoded), x read by rows (below)
   const bool decoded = panel::is_gguf_blocks(h.format);
   if (!decoded && (M > 1 || !std::is_same_v<XT, float>)) {
     xt = at::empty({M * h.K}, x.options().dtype(at::kFloat));
