@@ -514,8 +514,9 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
   Args<WT> a{xp, nullptr, b, y.data_ptr<float>(), M, h.N, h.K};
   if (decoded) {
     // x's rows in place, unless at K floats apart they would fall in a few L1 sets (1B's 2048
-    // and 8192): then copied at a padded stride.
-    a.ldx = panel::x_row_stride(h.K);
+    // and 8192): then copied at a padded stride. NOTE: only for AVX-512's chunks of 14 rows;
+    // AVX2's 6 fit an 8-way set, and the copy cost them 4 % (Q4_K 2048 x 2048, 224 rows).
+    a.ldx = kern.mr_max > 8 ? panel::x_row_stride(h.K) : h.K;
     if (a.ldx != h.K && M > 1) {
       x_store.resize(static_cast<size_t>(M * a.ldx));
       float* xs = x_store.data();  // the caller's: thread_local names the helper's own there
