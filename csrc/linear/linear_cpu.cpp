@@ -522,8 +522,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& packed, const pane
       float* xs = x_store.data();  // the caller's: thread_local names the helper's own there
       const int cthreads = M * h.K < kTransposeSplitElements ? 1 : at::get_num_threads();
       TaskPool::get().run(chunks, cthreads, [&](int64_t c) {
-        for (int64_t m = M * c / chunks; m < M * (c + 1) / chunks; ++m)
-          std::memcpy(xs + m * a.ldx, xp + m * h.K, h.K * sizeof(float));
+        panel::copy_rows_at_stride(xp, h.K, a.ldx, M * c / chunks, M * (c + 1) / chunks, xs);
       });
       a.x = xs;
     }

@@ -90,14 +90,19 @@ inline int64_t x_row_stride(int64_t K) {
   return bytes % 64 == 0 && std::gcd<int64_t>(bytes / 64, 64) >= 16 ? K + 16 : K;
 }
 
+// Rows [m0, m1) of x [M, K] (contiguous) copied to out at row stride ld.
+inline void copy_rows_at_stride(const float* x, int64_t K, int64_t ld, int64_t m0, int64_t m1,
+                                float* out) {
+  for (int64_t m = m0; m < m1; ++m) std::memcpy(out + m * ld, x + m * K, K * sizeof(float));
+}
+
 // x [M, K] (contiguous) at row stride ld: x itself where ld == K, else its rows copied into
 // `store` (the caller's, reused).
 inline const float* rows_at_stride(const float* x, int64_t M, int64_t K, int64_t ld,
                                    std::vector<float>& store) {
   if (ld == K || M <= 1) return x;
   store.resize(static_cast<size_t>(M * ld));
-  for (int64_t m = 0; m < M; ++m)
-    std::memcpy(store.data() + m * ld, x + m * K, K * sizeof(float));
+  copy_rows_at_stride(x, K, ld, 0, M, store.data());
   return store.data();
 }
 
