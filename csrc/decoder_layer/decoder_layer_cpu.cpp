@@ -15,6 +15,8 @@
 // few-rows form (GGUF blocks, bf16 panels) when the step has at most few_rows_max rows, else
 // the main panels; a projection with neither for the step's rows (bf16 oneDNN weights, many
 // rows) means serves() is false and the caller keeps the Python path.
+// decoder_stack_forward: every layer of a model in order in one call (one return to Python a
+// step).
 #include "decoder_layer/decoder_layer_cpu.h"
 
 #include "attention/paged_attention_cpu.h"
@@ -128,6 +130,33 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayerCpu::forward(
   h = add_rms_norm_cpu(o, stream, post_norm_, eps_);
   const at::Tensor act = silu_mul_cpu(project(2, h), inter_);
   return {project(3, act), stream};
+}
+
+c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
+    const std::vector<const DecoderLayerCpu*>& layers, const at::Tensor& x,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(!layers.empty() && k_caches.size() == layers.size() &&
+                        v_caches.size() == layers.size(),
+                    "decoder_stack: ", layers.size(), " layers, ", k_caches.size(),
+                    " k_caches and ", v_caches.size(), " v_caches (one of each a layer)");
+  TORCH_CHECK_VALUE(x.dim() == 2, "decoder_stack: x must be [T, hidden], got ", x.dim(), "-D");
+  for (const DecoderLayerCpu* layer : layers) {
+    TORCH_CHECK_VALUE(layer != nullptr, "decoder_stack: a layer is None");
+    if (!layer->serves(x.size(0))) return c10::nullopt;
+  }
+  std::tuple<at::Tensor, at::Tensor> out{x, at::Tensor()};
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const at::Tensor& residual = std::get<1>(out);
+    out = layers[i]->forward(std::get<0>(out),
+                             residual.defined() ? c10::optional<at::Tensor>(residual)
+                                                : c10::nullopt,
+                             cos, sin, k_caches[i], v_caches[i], block_tables, seq_lens,
+                             query_start_loc, slot_mapping);
+  }
+  return out;
 }
 
 }  // namespace freetoken

@@ -46,4 +46,15 @@ class DecoderLayerCpu {
   int64_t window_, few_rows_max_;
 };
 
+// The model's decoder layers in order in one call: layer i reads k_caches[i], v_caches[i], the
+// first starts the residual stream. -> (the last layer's MLP output, the residual stream), or
+// nullopt, having run nothing, where a layer does not serve a step of x's rows (the caller then
+// takes the layers one by one). Why: one return to Python a step instead of one a layer.
+c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
+    const std::vector<const DecoderLayerCpu*>& layers, const at::Tensor& x,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    const at::Tensor& slot_mapping);
+
 }  // namespace freetoken

@@ -10,7 +10,7 @@ pure-torch twin in the same module, one module per op family.
     gguf.py           GGUF blocks -> exact fp32 weights (the twin: the gguf package), and
                       the block-resident weight descriptor (gguf_matrix) for panel_linear
     int8.py           the int8 compute mode's repacked weights (int8_matrix) for panel_linear
-    decoder_layer.py  one Llama decoder layer as one C++ call
+    decoder_layer.py  one Llama decoder layer as one C++ call, and all of them as one
 
 Importing loads freetoken._C (a stale build is an ImportError); nothing here reads the
 environment. Not the model (freetoken/model/) that chooses among these.
@@ -30,7 +30,7 @@ from freetoken.ops.backend import (
     configure,
     cpu_isa,
 )
-from freetoken.ops.decoder_layer import decoder_layer, decoder_layer_available
+from freetoken.ops.decoder_layer import decoder_layer, decoder_layer_available, decoder_stack
 from freetoken.ops.elementwise import fused_elementwise_available, rms_norm, rope_, silu_mul
 from freetoken.ops.gguf import (
     dequantize_gguf,
@@ -68,8 +68,9 @@ from freetoken.ops.topk import MAX_K, topk_logprobs
 __all__ = [
     "BACKENDS", "COMPUTE_MODES", "CPU_ISAS", "GGUF_PANEL_TYPES", "LINEAR_MODES", "MAX_K",
     "OpsConfig", "available_cpu_isas", "backend", "backend_for", "config", "configure", "cpu_isa",
-    "decoder_layer", "decoder_layer_available", "dequantize_gguf", "fused_elementwise_available",
-    "gguf_dequantize_available", "gguf_matrix", "gguf_matrix_available", "gguf_panel_type",
+    "decoder_layer", "decoder_layer_available", "decoder_stack", "dequantize_gguf",
+    "fused_elementwise_available", "gguf_dequantize_available", "gguf_matrix",
+    "gguf_matrix_available", "gguf_panel_type",
     "gguf_row_bytes", "gumbel_noise", "int8_amx_available", "int8_bound_loop", "int8_matrix",
     "int8_matrix_available", "int8_matrix_superblocks", "int8_matrix_unpack", "int8_peak_gops",
     "int8_quantize_rows", "int8_vnni_available", "is_gguf_matrix", "is_int8_matrix",

@@ -146,3 +146,72 @@ def test_misshapen_weights_are_refused(tiny_checkpoint):
         ops.decoder_layer(*norms, weights, [None] * 4, [None] * 4, **{**kw, "num_kv_heads": 3})
     none = ops.decoder_layer(*norms, [None] * 4, [None] * 4, [None] * 4, **kw)
     assert not none.serves(1)
+
+
+def test_a_model_with_one_layer_unfused_runs_its_layers_one_by_one(tiny_checkpoint):
+    """ops.decoder_stack takes the step only where every layer is fused: with layer 1's fused
+    call off the model calls each layer (the others fused, layer 1 in Python), with the same
+    bits as all fused (the stack) and all in Python."""
+    from freetoken.loader import load_model
+
+    path, _ = tiny_checkpoint("llama")
+    model = load_model(path, load_tokenizer=False, progress=False).model
+    with torch.inference_mode():
+        assert ops.decoder_stack(*stack_args(model, 2)) is not None
+    steps = prefill_then_decode(2)
+    stacked, python = both_paths(model, steps)
+    kept = model.layers[1].fused
+    model.layers[1].fused = None
+    try:
+        mixed = run_steps(model, steps)
+    finally:
+        model.layers[1].fused = kept
+    for i, (a, b, c) in enumerate(zip(stacked, mixed, python)):
+        assert torch.equal(a, b) and torch.equal(b, c), f"step {i}"
+
+
+def stack_args(model, rows: int):
+    """decoder_stack's arguments for a step of `rows` new tokens of one sequence."""
+    from freetoken.model.attention import build_attention_metadata
+
+    kv = model.make_kv_cache(24, 4)
+    batch = build_forward_batch([(list(range(3, 3 + rows)), 0, list(range(24)))], 4)
+    x = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope(batch.positions, x.dtype, max(batch.seq_lens))
+    meta = build_attention_metadata(batch, kv.block_size, model.config.sliding_window,
+                                    dtype=x.dtype)
+    kn = meta.kernel
+    return ([layer.fused for layer in model.layers], x, cos, sin, kv.k, kv.v,
+            kn.block_tables, kn.seq_lens, kn.query_start_loc, meta.slot_mapping)
+
+
+def test_the_stack_declines_a_step_a_layer_does_not_serve(tiny_checkpoint):
+    """bf16 layers serve steps of up to FEW_ROWS rows (their bf16 panels; oneDNN otherwise):
+    a longer step returns None from decoder_stack, having written nothing into the KV pool."""
+    from freetoken.loader import load_model
+    from freetoken.model.linear import packed_form
+
+    path, _ = tiny_checkpoint("llama")
+    model = load_model(path, dtype=torch.bfloat16, load_tokenizer=False, progress=False).model
+    if packed_form(model.layers[0].self_attn.qkv_proj.weight) != "onednn":
+        pytest.skip("no oneDNN here: bf16 weights are panels for every row count")
+    with torch.inference_mode():
+        args = stack_args(model, FEW_ROWS + 1)
+        assert ops.decoder_stack(*args) is None
+        assert all(int(torch.count_nonzero(k)) == 0 for k in args[4])
+        out, residual = ops.decoder_stack(*stack_args(model, FEW_ROWS))
+        assert out.shape == residual.shape == (FEW_ROWS, model.config.hidden_size)
+
+
+def test_the_stack_refuses_a_cache_list_of_the_wrong_length(tiny_checkpoint):
+    from freetoken.loader import load_model
+
+    path, _ = tiny_checkpoint("llama")
+    model = load_model(path, load_tokenizer=False, progress=False).model
+    with torch.inference_mode():
+        args = list(stack_args(model, 2))
+        args[4] = args[4][:-1]
+        with pytest.raises(ValueError, match=r"k_caches"):
+            ops.decoder_stack(*args)
+        with pytest.raises(ValueError, match=r"layers"):
+            ops.decoder_stack([], *args[1:])
