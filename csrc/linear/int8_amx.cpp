@@ -1,19 +1,19 @@
 // The int8 mode's AMX loop (CPUs with AMX-INT8: Sapphire Rapids and later), for steps of 32 rows
-// and more, every int8 format. One tile product (tdpbsud: x's int8 rows times the panel's
-// unsigned codes) gives a group's integer sums for 16 rows and the panel's 16 outputs at once:
-// the same exact int32 that the VNNI loop's vpdpbusd chains add up. What follows is the VNNI
-// loop's own code (int8_vnni.h: a group's fp32 step; a K-quant's scales in integer, then its
-// superblock's fp32 step), so the bits are the same.
+// and more, every int8 format. Tile products give the exact int32 sums that the VNNI loop's
+// vpdpbusd chains add up; what follows is the VNNI loop's own code (int8_vnni.h: a group's fp32
+// step, a K-quant superblock's fp32 step), so the bits are the same.
 //
-// Why: in the VNNI loop a group's fp32 steps (convert, scale, add; the min's product and add)
-// take the same two vector pipes as its 8 vpdpbusd a row, and the loop ran at ~0.3 of the
-// vpdpbusd rate (SmolLM2's Q4_1 at 224 rows, Sapphire-Rapids-class Xeon). Here the tile unit
-// does the products and the vector pipes only the fp32 steps.
+// Why: in the VNNI loop the fp32 steps and the integer scales take the same two vector pipes as
+// the vpdpbusd, and the loop ran at ~0.3 of the vpdpbusd rate (SmolLM2's Q4_1 at 224 rows,
+// Sapphire-Rapids-class Xeon). Here the tile unit does the products and the vector pipes only
+// the steps.
 //
-// Tiles: tmm0 / tmm1 the sums C [16 rows][16 outputs] int32, tmm2 / tmm3 x A [16 rows][a group's
-// 32 int8, Q6_K's 16] (read in place, row stride K), tmm4 / tmm5 the codes B [group / 4][64] (row
-// r: codes 4r..4r+3 of each output, the panel's own layout; 4- and 6-bit codes are widened to a
-// byte first). Two sets, so that one group's tile product overlaps the previous group's steps.
+// 32-value formats (rows_amx): one tile product a group (tdpbsud: 16 rows of x by the group's
+// codes), its sums stored and stepped in fp32 (the group's scale is an fp16). K-quants
+// (rows_amx_k): a group's integer scale goes into its codes once a panel (widen_scaled, as two
+// byte planes), so a superblock's 256 values are 4 x 2 full tile products into sums that stay
+// in the tiles, and the vector pipes see one store a superblock instead of one a group and no
+// vpmulld (two uops on these cores).
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -57,8 +57,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0-1 C, tmm2-3 A (16 x group bytes), tmm4-5 B (group / 4 x 64) for groups of `group` (32,
-// or Q6_K's 16); group 0: the bound loop's 16 x 64 tiles on tmm0-7.
+// tmm0-1 C, tmm2-3 A (16 x 32 bytes), tmm4-5 B (8 x 64) for a 32-value format's groups; group 0:
+// 16 x 64 tiles on tmm0-7 (the K-quants' loop and the bound loop).
 TileConfig loop_config(int group) {
   TileConfig c;
   for (int t = 0; t < (group ? 6 : 8); ++t) {
@@ -72,44 +72,32 @@ FT_TARGET_AMX void load_config(const TileConfig& c) {
   asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
 }
 
-// The panel's codes as tdpbsud's B operands, group after group (group / 4 rows of 64 bytes, row
-// r: codes 4r..4r+3 of each output): byte codes are read in place (b_tile), 4- and 6-bit codes
-// are widened into buf (a group's tile at buf + its index * group * 16), once a call.
+// A 32-value panel's codes as tdpbsud's B operands, group after group (8 rows of 64 bytes, row
+// r: codes 4r..4r+3 of each output): byte codes are read in place (b_tile), 4-bit codes are
+// widened into buf (group u's tile at buf + u * 512), once a call.
 // NOTE: widened once for all the rows, not a group at a time: a tile load of bytes stored just
 // before waits for them to reach the cache (SmolLM2's Q4_1 at 224 rows: level with the VNNI
 // loop, then 1.3x).
 template <int KIND>
 FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, uint8_t* buf) {
-  constexpr KindInfo ki = kKinds[KIND];
-  constexpr int PER = ki.unit / ki.group;
+  static_assert(kKinds[KIND].unit == 32 && kKinds[KIND].codes == kNib);
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t u = 0; u < units; ++u) {
-    for (int j = 0; j < PER; ++j) {
-      const uint8_t* codes = data + u * unit_bytes(KIND) + head_bytes(KIND) + j * group_bytes(KIND);
-      uint8_t* out = buf + (u * PER + j) * ki.group * 16;
-      if constexpr (ki.codes == kNib) {
-        for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
-          const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-          _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, low4));
-          _mm512_store_si512(out + 256 + 64 * t,
-                             _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-        }
-      } else if constexpr (ki.codes == kSix) {
-        __m512i v[4];
-        six_bit_steps(codes, v);
-        for (int t = 0; t < 4; ++t) _mm512_store_si512(out + 64 * t, v[t]);
-      }
+    const uint8_t* codes = data + u * unit_bytes(KIND);
+    uint8_t* out = buf + u * 512;
+    for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
+      const __m512i v = _mm512_loadu_si512(codes + 64 * t);
+      _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, low4));
+      _mm512_store_si512(out + 256 + 64 * t, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
     }
   }
 }
 
-// Group j of unit u's B tile.
+// Group u's B tile (a 32-value panel).
 template <int KIND>
-FT_INLINE const uint8_t* b_tile(const uint8_t* data, const uint8_t* buf, int64_t u, int j) {
-  constexpr KindInfo ki = kKinds[KIND];
-  if constexpr (ki.codes == kByte)
-    return data + u * unit_bytes(KIND) + head_bytes(KIND) + j * group_bytes(KIND);
-  return buf + (u * (ki.unit / ki.group) + j) * ki.group * 16;
+FT_INLINE const uint8_t* b_tile(const uint8_t* data, const uint8_t* buf, int64_t u) {
+  if constexpr (kKinds[KIND].codes == kByte) return data + u * unit_bytes(KIND);
+  return buf + u * 512;
 }
 
 // One group's tile product for 16 rows of x (at xq, row stride K) against the codes tile b, on
@@ -143,6 +131,18 @@ FT_TARGET_AMX FT_INLINE void stored_sums(int32_t* sums, __m512i (&P)[kRows]) {
   for (int m = 0; m < kRows; ++m) P[m] = _mm512_load_si512(sums + m * kPanel);
 }
 
+// store_rows (int8_kernels.h) as masked vector stores: the same sums (acc + bias, or + 0), one
+// store a row. NOTE: GCC left store_rows scalar here, 16 stores a row of y N floats apart (a
+// 1B-shaped Q4_K 8192 x 2048 at 224 rows, one thread: 0.91-0.97x the time with these).
+FT_TARGET_AMX FT_INLINE void store_rows16(const float* acc, int64_t m0, const PanelInfo& pi,
+                                          float* y, int64_t N, const float* bias) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << (pi.n1 - pi.n0)) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + pi.n0) : _mm512_setzero_ps();
+  for (int m = 0; m < kRows; ++m)
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + pi.n0, lanes,
+                          _mm512_add_ps(_mm512_load_ps(acc + m * kPanel), b));
+}
+
 // Rows [m0, m0 + 16) of a 32-value panel into y, its B tiles from widen_codes' buf. Group u's
 // product goes out before group u - 1's fp32 step, on the other tile set.
 // A group's sums are stored one group later, just before its step, so that the store does not
@@ -157,8 +157,8 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
   for (int m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_ps();
   const int8_t* xq = x.q + m0 * x.K;
   for (int64_t u = 0; u <= units; ++u) {
-    if (u < units && u % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u, 0), xq + 32 * u, x.K);
-    if (u < units && u % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u, 0), xq + 32 * u, x.K);
+    if (u < units && u % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u), xq + 32 * u, x.K);
+    if (u < units && u % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u), xq + 32 * u, x.K);
     if (u == 0) continue;
     if ((u - 1) % 2 == 0) stored_sums<0>(sums[0], P);
     else stored_sums<1>(sums[1], P);
@@ -166,54 +166,171 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
   }
   alignas(64) float out[kRows * kPanel];
   for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, acc[m]);
-  store_rows(out, kRows, m0, pi, y, N, bias);
+  store_rows16(out, m0, pi, y, N, bias);
 }
 
-// Rows [m0, m0 + 16) of a K-quant panel into y: group by group the tile products (pipelined as
-// rows_amx's), each group's sums times its integer scales into I, then the superblock's step.
+// A K-quant group's codes times its integer scales, as tile operands. A product code * sc fits
+// 16 bits (Q4_K / Q5_K: 0..1953; Q6_K: codes 0..63, sc -128..127), not 8: its low byte (unsigned)
+// goes to lo, its high byte (signed) to hi, and codes . x times sc = (lo . x) + 256 (hi . x), the
+// same int32 as the VNNI loop's add_scaled. Per 64 codes: two vpmaddubsw (even and odd bytes
+// against the output's sc) and two byte merges, once a panel for every row.
+// Layout as widen_codes' (group after group, G / 4 rows of 64 bytes), so a superblock's 256
+// values are 4 tiles of 16 rows at lo / hi + (u * 4 + c) * 1024.
 template <int KIND>
-FT_TARGET_AMX void rows_amx_k(const uint8_t* data, const uint8_t* buf, const PanelInfo& pi,
-                              const Acts& x, int64_t m0, float* y, int64_t N, const float* bias) {
-  constexpr int G = kKinds[KIND].group, PER = 256 / G;
-  const int64_t units = x.K / 256;
-  alignas(64) int32_t sums[2][kRows * kPanel];
-  alignas(64) float out[kRows * kPanel];
-  for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, _mm512_setzero_ps());
-  const int8_t* xq = x.q + m0 * x.K;
+FT_TARGET_AMX FT_INLINE void widen_scaled(const uint8_t* data, int64_t units, uint8_t* lo,
+                                          uint8_t* hi) {
+  constexpr KindInfo ki = kKinds[KIND];
+  constexpr int PER = 256 / ki.group, ROWS = ki.group / 4;
+  const __m512i low4 = _mm512_set1_epi8(15), low_byte = _mm512_set1_epi16(0x00FF);
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* unit = data + u * unit_bytes(KIND);
-    __m512i I[kRows], P[kRows];
-    for (int m = 0; m < kRows; ++m) I[m] = _mm512_setzero_si512();
-    for (int j = 0; j <= PER; ++j) {
-      const int8_t* xg = xq + u * 256 + j * G;
-      if (j < PER && j % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u, j), xg, x.K);
-      if (j < PER && j % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u, j), xg, x.K);
-      if (j == 0) continue;
-      if ((j - 1) % 2 == 0) stored_sums<0>(sums[0], P);
-      else stored_sums<1>(sums[1], P);
-      add_scaled<kRows, KIND>(unit, j - 1, P, I);
+    for (int j = 0; j < PER; ++j) {
+      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+      __m512i v[8];  // row-blocks of 64 bytes (4 codes an output), in B-tile order
+      if constexpr (ki.codes == kNib) {
+        for (int t = 0; t < 4; ++t) {
+          const __m512i n = _mm512_loadu_si512(codes + 64 * t);
+          v[t] = _mm512_and_si512(n, low4);
+          v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
+        }
+      } else if constexpr (ki.codes == kSix) {
+        __m512i s[4];
+        six_bit_steps(codes, s);
+        for (int t = 0; t < 4; ++t) v[t] = s[t];
+      } else {
+        for (int t = 0; t < ROWS; ++t) v[t] = _mm512_loadu_si512(codes + 64 * t);
+      }
+      // Output o's sc in bytes 4 o and 4 o + 2 (even), 4 o + 1 and 4 o + 3 (odd).
+      const __m512i sc = _mm512_maskz_cvtepu8_epi32(
+          0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + sc_offset(KIND) + 16 * j)));
+      const __m512i even = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+      const __m512i odd = _mm512_slli_epi32(even, 8);
+      const int64_t at = (u * PER + j) * ki.group * 16;
+      for (int t = 0; t < ROWS; ++t) {
+        const __m512i pe = _mm512_maddubs_epi16(v[t], even), po = _mm512_maddubs_epi16(v[t], odd);
+        // 0xCA: a ? b : c, bit by bit (a = the low byte of each 16-bit lane)
+        _mm512_store_si512(lo + at + 64 * t,
+                           _mm512_ternarylogic_epi32(low_byte, pe, _mm512_slli_epi16(po, 8), 0xCA));
+        _mm512_store_si512(hi + at + 64 * t,
+                           _mm512_ternarylogic_epi32(low_byte, _mm512_srli_epi16(pe, 8), po, 0xCA));
+      }
     }
-    superblock_step<kRows, KIND>(unit, pi.c, x, m0, u, I, out);
   }
-  store_rows(out, kRows, m0, pi, y, N, bias);
+}
+
+// Chunk c of a superblock's tile products (64 of its values) for RT tiles of 16 rows: x's tiles
+// at a (Acts::qa; the next row tile `next` bytes on) against the scaled codes' tiles at lo, hi.
+// Tiles: tmm0-3 C (lo, hi of row tile 0, then of row tile 1), tmm4-5 x, tmm6-7 lo / hi codes.
+template <int RT>
+FT_TARGET_AMX FT_INLINE void chunk_products(const uint8_t* lo, const uint8_t* hi, const int8_t* a,
+                                            int64_t next) {
+  FT_TILE_LOAD(4, a, 64);
+  if constexpr (RT == 2) FT_TILE_LOAD(5, a + next, 64);
+  FT_TILE_LOAD(6, lo, 64);
+  FT_TILE_LOAD(7, hi, 64);
+  FT_TILE_DPBSUD(0, 4, 6);
+  FT_TILE_DPBSSD(1, 4, 7);
+  if constexpr (RT == 2) {
+    FT_TILE_DPBSUD(2, 5, 6);
+    FT_TILE_DPBSSD(3, 5, 7);
+  }
+}
+
+// The C tiles (row tile r: sums[r][0] lo, sums[r][1] hi), zeroed or stored.
+template <int RT>
+FT_TARGET_AMX FT_INLINE void zero_c() {
+  FT_TILE_ZERO(0);
+  FT_TILE_ZERO(1);
+  if constexpr (RT == 2) {
+    FT_TILE_ZERO(2);
+    FT_TILE_ZERO(3);
+  }
+}
+template <int RT>
+FT_TARGET_AMX FT_INLINE void store_c(int32_t (*sums)[2][kRows * kPanel]) {
+  FT_TILE_STORE(0, sums[0][0], 64);
+  FT_TILE_STORE(1, sums[0][1], 64);
+  if constexpr (RT == 2) {
+    FT_TILE_STORE(2, sums[1][0], 64);
+    FT_TILE_STORE(3, sums[1][1], 64);
+  }
+}
+
+// Rows [m0, m0 + MR) of superblock u's step, its sums lo + 256 hi (rows' sums at lo, hi).
+template <int MR, int KIND>
+FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const Acts& x,
+                                         int64_t m0, int64_t u, const int32_t* lo,
+                                         const int32_t* hi, float* out) {
+  __m512i I[MR];
+  for (int m = 0; m < MR; ++m)
+    I[m] = _mm512_add_epi32(_mm512_load_si512(lo + m * kPanel),
+                            _mm512_slli_epi32(_mm512_load_si512(hi + m * kPanel), 8));
+  superblock_step<MR, KIND>(unit, c, x, m0, u, I, out);
+}
+
+// Rows [m0, m0 + 16 RT) of a K-quant panel into y, its scaled codes from widen_scaled. Superblock
+// u's tile products go out 64 values at a time, and after each a quarter of superblock u - 1's
+// steps (the vector pipes; its sums from the other half of sums).
+// NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
+// for the previous chunk's products, and the steps between them keep the vector pipes busy
+// meanwhile. A superblock's products, then the previous one's steps whole: 1.07x the time for
+// a 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
+template <int KIND, int RT>
+FT_TARGET_AMX void rows_amx_k(const uint8_t* data, const uint8_t* lo, const uint8_t* hi,
+                              const PanelInfo& pi, const Acts& x, int64_t m0, float* y, int64_t N,
+                              const float* bias) {
+  constexpr int kPart = 4 * RT;  // rows of steps after each chunk's products
+  const int64_t units = x.K / 256;
+  alignas(64) int32_t sums[2][RT][2][kRows * kPanel];
+  alignas(64) float out[RT][kRows * kPanel];
+  for (int r = 0; r < RT; ++r)
+    for (int m = 0; m < kRows; ++m) _mm512_store_ps(out[r] + m * kPanel, _mm512_setzero_ps());
+  const int64_t next = x.K / 64 * 1024;  // bytes of qa a row tile
+  const int8_t* xa = x.qa + m0 / kRows * next;
+  for (int64_t u = 0; u <= units; ++u) {
+    const bool products = u < units, steps = u > 0;
+    if (products) zero_c<RT>();
+    for (int c = 0; c < 4; ++c) {
+      if (products)
+        chunk_products<RT>(lo + u * 4096 + c * 1024, hi + u * 4096 + c * 1024,
+                           xa + u * 4096 + c * 1024, next);
+      if (steps) {
+        const int r = c * kPart / kRows, mr = c * kPart % kRows;
+        const int32_t(*before)[2][kRows * kPanel] = sums[(u - 1) % 2];
+        scaled_step<kPart, KIND>(data + (u - 1) * unit_bytes(KIND), pi.c, x,
+                                 m0 + kRows * r + mr, u - 1, before[r][0] + mr * kPanel,
+                                 before[r][1] + mr * kPanel, out[r] + mr * kPanel);
+      }
+    }
+    if (products) store_c<RT>(sums[u % 2]);
+  }
+  for (int r = 0; r < RT; ++r) store_rows16(out[r], m0 + kRows * r, pi, y, N, bias);
 }
 
 template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
                              float* y, int64_t N, const float* bias) {
   constexpr KindInfo ki = kKinds[KIND];
-  static const TileConfig config = loop_config(ki.group);
+  // K-quants: 16 x 64 tiles throughout (rows_amx_k); the 32-value formats: a group's tiles.
+  static const TileConfig config = loop_config(ki.unit == 256 ? 0 : ki.group);
   const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
-  const size_t widened_bytes = ki.codes == kByte ? 0 : units * ki.unit * 16 + 64;
+  const int64_t plane = units * ki.unit * 16;  // one byte an output and value
+  const size_t widened_bytes =
+      ki.unit == 256 ? 2 * plane + 64 : ki.codes == kByte ? 0 : plane + 64;
   thread_local std::vector<uint8_t> widened;
   if (widened.size() < widened_bytes) widened.resize(widened_bytes);
   uint8_t* buf = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
-  if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
   load_config(config);
-  for (int64_t m0 = 0; m0 < whole; m0 += kRows) {
-    if constexpr (ki.unit == 256) rows_amx_k<KIND>(data, buf, pi, x, m0, y, N, bias);
-    else rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
+  if constexpr (ki.unit == 256) {
+    widen_scaled<KIND>(data, units, buf, buf + plane);
+    int64_t m0 = 0;
+    for (; m0 + 2 * kRows <= whole; m0 += 2 * kRows)
+      rows_amx_k<KIND, 2>(data, buf, buf + plane, pi, x, m0, y, N, bias);
+    if (m0 < whole) rows_amx_k<KIND, 1>(data, buf, buf + plane, pi, x, m0, y, N, bias);
+  } else {
+    if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
+    for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }
   asm volatile("tilerelease" ::: "memory");
   if (whole == M) return;

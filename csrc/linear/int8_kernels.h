@@ -27,6 +27,10 @@ struct Acts {
   // q again, tile by tile of kTileRows rows, the tile's 4 bytes at k side by side:
   // [M / kTileRows][K / 4][kTileRows] (nullptr where the VNNI K-quant loop does not read it).
   const int32_t* qt = nullptr;
+  // q again for the AMX K-quant loop, whole tiles of 16 rows, 64 bytes of K at a time (one tile
+  // load of 1 KB, not 16 rows K bytes apart): [M / 16][K / 64][16][64] (nullptr where that loop
+  // does not read it).
+  const int8_t* qa = nullptr;
 };
 
 constexpr int kTileRows = 12;  // rows a tile of the VNNI K-quant loop (12 vpdpbusd chains)

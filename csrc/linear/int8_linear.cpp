@@ -76,11 +76,12 @@ bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
 struct ActStore {
-  at::Tensor q, d, s16, s32, xs32, qt;
+  at::Tensor q, d, s16, s32, xs32, qt, qa;
   Acts view() const {
     return {q.data_ptr<int8_t>(),    d.data_ptr<float>(), s16.data_ptr<int16_t>(),
             s32.data_ptr<int16_t>(), xs32.data_ptr<float>(), q.size(1),
-            qt.defined() ? qt.data_ptr<int32_t>() : nullptr};
+            qt.defined() ? qt.data_ptr<int32_t>() : nullptr,
+            qa.defined() ? qa.data_ptr<int8_t>() : nullptr};
   }
 };
 
@@ -97,6 +98,23 @@ void tile_rows(ActStore& s) {
       int32_t* dst = qt + t * K4 * kTileRows + r;
       for (int64_t k = 0; k < K4; ++k) dst[k * kTileRows] = src[k];
     }
+  });
+}
+
+// The tile copy of q that the AMX loop reads for a K-quant (Acts::qa; K is whole 64s).
+// NOTE: read in place, a tile's 16 rows are K bytes apart, and at K = 2048 / 8192 they share
+// one or two L1 sets: a 1B-shaped Q4_K 2048 x 8192 at 224 rows took 1.13-1.16x the time of the
+// copy (8192 x 2048: 0.97x, level). The 32-value formats' loop reads q in place: there the copy
+// cost more than it saved (SmolLM2's Q4_1 1536 x 576 at 224 rows: 1.10x the time, one thread).
+void amx_rows(ActStore& s) {
+  const int64_t K = s.q.size(1), tiles = s.q.size(0) / 16, chunks = K / 64;
+  s.qa = at::empty({tiles * K * 16}, s.q.options());
+  const int8_t* q = s.q.data_ptr<int8_t>();
+  int8_t* qa = s.qa.data_ptr<int8_t>();
+  TaskPool::get().run(tiles, tiles < 8 ? 1 : at::get_num_threads(), [&](int64_t t) {
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t r = 0; r < 16; ++r)
+        std::memcpy(qa + ((t * chunks + c) * 16 + r) * 64, q + (t * 16 + r) * K + 64 * c, 64);
   });
 }
 
@@ -299,6 +317,7 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   if (vnni && !amx && mat.xblock == 256 &&
       (M > kTileRows || (M > 8 && rows_share_sets)))
     tile_rows(store);
+  if (amx && mat.xblock == 256) amx_rows(store);
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
   const auto run = [&](int64_t p0, int64_t p1) {

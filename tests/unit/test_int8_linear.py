@@ -227,6 +227,35 @@ def test_the_largest_sums_are_exact(isa, type_):
         assert torch.equal(ops.panel_linear(x[:m].contiguous(), weight), y[:m]), m
 
 
+@pytest.mark.parametrize("type_", K_TYPES)
+def test_the_largest_scaled_codes_are_exact(isa, type_):
+    """The AMX loop multiplies a K-quant's codes by their integer scale before the tile products
+    (a product in two byte planes, lo + 256 hi): every code at its largest against the largest
+    scales of either sign (Q6_K: -128 and 127), x at +-127, 48 rows (a pair of row tiles and
+    one alone). The reference's bits, and the VNNI loop's."""
+    k = 512
+    rows = random_rows(type_, 21, k, seed=13)
+    blocks = rows.reshape(21, k // 256, -1)
+    blocks[:] = 0xFF
+    for at in FP16_AT[type_]:
+        blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20  # 2^-7
+    if type_ == "Q6_K":  # its 16 int8 scales at 192..207
+        blocks[:, :, 192:208:2], blocks[:, :, 193:208:2] = 0x80, 0x7F
+    weight, _ = int8_matrix([(type_, rows)], k)
+    x = torch.ones(48, k)
+    x[1::2] = -1
+    x[4, : k // 4] = -1
+    y = ops.panel_linear(x, weight)
+    np.testing.assert_array_equal(y.numpy(), reference(x.numpy(), weight, type_))
+    assert y.abs().min() > 0
+    if ops.int8_amx_available():
+        before = ops.set_int8_amx(False)
+        try:
+            assert torch.equal(ops.panel_linear(x, weight), y)
+        finally:
+            ops.set_int8_amx(before)
+
+
 def test_fused_segments_of_mixed_types_and_odd_sizes():
     """q | k | v as a Q4_K_M file lays them out (Q4_K, Q4_K, Q6_K), segments not multiples of
     16 outputs; a legacy pair; and a K-quant beside a legacy format, where x is quantized per
@@ -329,9 +358,10 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
 def test_amx_and_vnni_loops_give_the_same_bits(threads):
     """Where the CPU has AMX-INT8, steps from 32 rows up take tile products; their integer
     sums (and a K-quant's scales in integer) and fp32 steps are the VNNI loop's, so every bit
-    agrees, every format, whatever the row count (whole tiles of 16 and the rows after them;
-    below 32 rows the VNNI loop), in a matrix beside a K-quant (x then quantized per 256), with
-    a bias, on 1 or 2 threads; and both are the reference's bits."""
+    agrees, every format, whatever the row count (whole tiles of 16, a K-quant's pairs of them
+    and one alone, and the rows after them; below 32 rows the VNNI loop), in a matrix beside a
+    K-quant (x then quantized per 256), with a bias, on 1 or 2 threads; and both are the
+    reference's bits."""
     if not ops.int8_amx_available():
         pytest.skip("needs a CPU with AMX-INT8")
     cases = [([(t, random_rows(t, 37, k_for(t, 7 if block_of(t) < 256 else 2), seed=20 + i))],
@@ -345,7 +375,7 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
             weight, _ = int8_matrix(parts, k)
             n = sum(rows.shape[0] for _, rows in parts)
             x, bias = varied_rows(71, k), torch.randn(n)
-            for m in (16, 31, 32, 47, 64, 71):
+            for m in (16, 31, 32, 47, 48, 64, 71):
                 ops.set_int8_amx(True)
                 amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
                 ops.set_int8_amx(False)
