@@ -10,7 +10,7 @@
 //
 // 32-value formats (rows_amx): one tile product a group (tdpbsud: 16 rows of x by the group's
 // codes), its sums stored and stepped in fp32 (the group's scale is an fp16). K-quants
-// (rows_amx_k): a group's integer scale goes into its codes once a panel (widen_scaled, as two
+// (panel_amx_k): a group's integer scale goes into its codes once a call (widen_group, as two
 // byte planes), so a superblock's 256 values are 4 x 2 full tile products into sums that stay
 // in the tiles, and the vector pipes see one store a superblock instead of one a group and no
 // vpmulld (two uops on these cores).
@@ -173,48 +173,44 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
 // 16 bits (Q4_K / Q5_K: 0..1953; Q6_K: codes 0..63, sc -128..127), not 8: its low byte (unsigned)
 // goes to lo, its high byte (signed) to hi, and codes . x times sc = (lo . x) + 256 (hi . x), the
 // same int32 as the VNNI loop's add_scaled. Per 64 codes: two vpmaddubsw (even and odd bytes
-// against the output's sc) and two byte merges, once a panel for every row.
-// Layout as widen_codes' (group after group, G / 4 rows of 64 bytes), so a superblock's 256
-// values are 4 tiles of 16 rows at lo / hi + (u * 4 + c) * 1024.
+// against the output's sc) and two byte merges, once a call for every row.
+// Group j of the superblock at unit goes to lo / hi + j * group * 16 (G / 4 rows of 64 bytes, row
+// r: codes 4r..4r+3 of each output), so the superblock's 256 values are 4 tiles of 16 rows at
+// lo / hi + c * 1024.
 template <int KIND>
-FT_TARGET_AMX FT_INLINE void widen_scaled(const uint8_t* data, int64_t units, uint8_t* lo,
-                                          uint8_t* hi) {
+FT_TARGET_AMX FT_INLINE void widen_group(const uint8_t* unit, int j, uint8_t* lo, uint8_t* hi) {
   constexpr KindInfo ki = kKinds[KIND];
-  constexpr int PER = 256 / ki.group, ROWS = ki.group / 4;
+  constexpr int ROWS = ki.group / 4;
   const __m512i low4 = _mm512_set1_epi8(15), low_byte = _mm512_set1_epi16(0x00FF);
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* unit = data + u * unit_bytes(KIND);
-    for (int j = 0; j < PER; ++j) {
-      const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
-      __m512i v[8];  // row-blocks of 64 bytes (4 codes an output), in B-tile order
-      if constexpr (ki.codes == kNib) {
-        for (int t = 0; t < 4; ++t) {
-          const __m512i n = _mm512_loadu_si512(codes + 64 * t);
-          v[t] = _mm512_and_si512(n, low4);
-          v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
-        }
-      } else if constexpr (ki.codes == kSix) {
-        __m512i s[4];
-        six_bit_steps(codes, s);
-        for (int t = 0; t < 4; ++t) v[t] = s[t];
-      } else {
-        for (int t = 0; t < ROWS; ++t) v[t] = _mm512_loadu_si512(codes + 64 * t);
-      }
-      // Output o's sc in bytes 4 o and 4 o + 2 (even), 4 o + 1 and 4 o + 3 (odd).
-      const __m512i sc = _mm512_maskz_cvtepu8_epi32(
-          0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + sc_offset(KIND) + 16 * j)));
-      const __m512i even = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
-      const __m512i odd = _mm512_slli_epi32(even, 8);
-      const int64_t at = (u * PER + j) * ki.group * 16;
-      for (int t = 0; t < ROWS; ++t) {
-        const __m512i pe = _mm512_maddubs_epi16(v[t], even), po = _mm512_maddubs_epi16(v[t], odd);
-        // 0xCA: a ? b : c, bit by bit (a = the low byte of each 16-bit lane)
-        _mm512_store_si512(lo + at + 64 * t,
-                           _mm512_ternarylogic_epi32(low_byte, pe, _mm512_slli_epi16(po, 8), 0xCA));
-        _mm512_store_si512(hi + at + 64 * t,
-                           _mm512_ternarylogic_epi32(low_byte, _mm512_srli_epi16(pe, 8), po, 0xCA));
-      }
+  const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
+  __m512i v[8];  // row-blocks of 64 bytes (4 codes an output), in B-tile order
+  if constexpr (ki.codes == kNib) {
+    for (int t = 0; t < 4; ++t) {
+      const __m512i n = _mm512_loadu_si512(codes + 64 * t);
+      v[t] = _mm512_and_si512(n, low4);
+      v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
     }
+  } else if constexpr (ki.codes == kSix) {
+    __m512i s[4];
+    six_bit_steps(codes, s);
+    for (int t = 0; t < 4; ++t) v[t] = s[t];
+  } else {
+    for (int t = 0; t < ROWS; ++t) v[t] = _mm512_loadu_si512(codes + 64 * t);
+  }
+  // Output o's sc in bytes 4 o and 4 o + 2 (even), 4 o + 1 and 4 o + 3 (odd).
+  const __m512i sc = _mm512_maskz_cvtepu8_epi32(
+      0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + sc_offset(KIND) + 16 * j)));
+  const __m512i even = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+  const __m512i odd = _mm512_slli_epi32(even, 8);
+  lo += j * ki.group * 16;
+  hi += j * ki.group * 16;
+  for (int t = 0; t < ROWS; ++t) {
+    const __m512i pe = _mm512_maddubs_epi16(v[t], even), po = _mm512_maddubs_epi16(v[t], odd);
+    // 0xCA: a ? b : c, bit by bit (a = the low byte of each 16-bit lane)
+    _mm512_store_si512(lo + 64 * t,
+                       _mm512_ternarylogic_epi32(low_byte, pe, _mm512_slli_epi16(po, 8), 0xCA));
+    _mm512_store_si512(hi + 64 * t,
+                       _mm512_ternarylogic_epi32(low_byte, _mm512_srli_epi16(pe, 8), po, 0xCA));
   }
 }
 
@@ -268,67 +264,117 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
   superblock_step<MR, KIND>(unit, c, x, m0, u, I, out);
 }
 
-// Rows [m0, m0 + 16 RT) of a K-quant panel into y, its scaled codes from widen_scaled. Superblock
-// u's tile products go out 64 values at a time, and after each a quarter of superblock u - 1's
-// steps (the vector pipes; its sums from the other half of sums).
-// NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
-// for the previous chunk's products, and the steps between them keep the vector pipes busy
-// meanwhile. A superblock's products, then the previous one's steps whole: 1.07x the time for
-// a 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
+// A K-quant panel's steps still to do: superblock u's, for RT row tiles from row m0, their sums
+// at sums.
+struct Pending {
+  const uint8_t* unit = nullptr;  // nullptr: none
+  int64_t u = 0, m0 = 0;
+  int rt = 0;
+  const int32_t (*sums)[2][kRows * kPanel] = nullptr;
+};
+
+// Piece c (of 4) of a pending superblock's steps: a quarter of its rows (PART = 4 RT), into out
+// (the panel's accumulators, row m at out + m * kPanel).
+template <int KIND, int PART>
+FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, int32_t pc, const Acts& x,
+                                          float* out) {
+  const int r = c * PART / kRows, mr = c * PART % kRows;
+  const int64_t m = p.m0 + kRows * r + mr;
+  scaled_step<PART, KIND>(p.unit, pc, x, m, p.u, p.sums[r][0] + mr * kPanel,
+                          p.sums[r][1] + mr * kPanel, out + m * kPanel);
+}
+template <int KIND>
+FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, const Acts& x,
+                                           float* out) {
+  if (p.rt == 2) pending_part<KIND, 8>(p, c, pc, x, out);
+  else pending_part<KIND, 4>(p, c, pc, x, out);
+}
+
+// One superblock's tile products for RT row tiles from row m0 (x's tiles from Acts::qa), with
+// the vector pipes' work spread between its 4 chunks: the pending steps (a quarter after each)
+// and the next superblock's widening (`widen` groups after each, from *next_group).
 template <int KIND, int RT>
-FT_TARGET_AMX void rows_amx_k(const uint8_t* data, const uint8_t* lo, const uint8_t* hi,
-                              const PanelInfo& pi, const Acts& x, int64_t m0, float* y, int64_t N,
-                              const float* bias) {
-  constexpr int kPart = 4 * RT;  // rows of steps after each chunk's products
-  const int64_t units = x.K / 256;
-  alignas(64) int32_t sums[2][RT][2][kRows * kPanel];
-  alignas(64) float out[RT][kRows * kPanel];
-  for (int r = 0; r < RT; ++r)
-    for (int m = 0; m < kRows; ++m) _mm512_store_ps(out[r] + m * kPanel, _mm512_setzero_ps());
+FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, const Acts& x,
+                                          int64_t m0, int64_t u, const Pending& pending,
+                                          int32_t pc, float* out, const uint8_t* next_unit,
+                                          int widen, int* next_group, uint8_t* next_lo,
+                                          uint8_t* next_hi, int32_t (*sums)[2][kRows * kPanel]) {
+  constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t next = x.K / 64 * 1024;  // bytes of qa a row tile
-  const int8_t* xa = x.qa + m0 / kRows * next;
-  for (int64_t u = 0; u <= units; ++u) {
-    const bool products = u < units, steps = u > 0;
-    if (products) zero_c<RT>();
-    for (int c = 0; c < 4; ++c) {
-      if (products)
-        chunk_products<RT>(lo + u * 4096 + c * 1024, hi + u * 4096 + c * 1024,
-                           xa + u * 4096 + c * 1024, next);
-      if (steps) {
-        const int r = c * kPart / kRows, mr = c * kPart % kRows;
-        const int32_t(*before)[2][kRows * kPanel] = sums[(u - 1) % 2];
-        scaled_step<kPart, KIND>(data + (u - 1) * unit_bytes(KIND), pi.c, x,
-                                 m0 + kRows * r + mr, u - 1, before[r][0] + mr * kPanel,
-                                 before[r][1] + mr * kPanel, out[r] + mr * kPanel);
-      }
-    }
-    if (products) store_c<RT>(sums[u % 2]);
+  const int8_t* a = x.qa + m0 / kRows * next + u * 4096;
+  zero_c<RT>();
+  for (int c = 0; c < 4; ++c) {
+    chunk_products<RT>(lo + c * 1024, hi + c * 1024, a + c * 1024, next);
+    if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out);
+    for (int g = 0; next_unit && g < widen && *next_group < PER; ++g)
+      widen_group<KIND>(next_unit, (*next_group)++, next_lo, next_hi);
   }
-  for (int r = 0; r < RT; ++r) store_rows16(out[r], m0 + kRows * r, pi, y, N, bias);
+  store_c<RT>(sums);
+}
+
+// A K-quant panel's whole row tiles [0, whole) into y. Superblock by superblock (its scaled
+// codes widened once, 8 KB that stay in L1 for every row), pairs of row tiles (and one alone
+// last) take its tile products 64 values at a time; between those chunks the vector pipes do the
+// previous pair's steps (its sums from the other half of sums) and widen the next superblock.
+// NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
+// for the previous chunk's products, and the work between them keeps the vector pipes busy
+// meanwhile. A pair's products for a superblock, then its steps whole: 1.07x the time for a
+// 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
+template <int KIND>
+FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                               int64_t whole, float* y, int64_t N, const float* bias) {
+  constexpr int PER = 256 / kKinds[KIND].group;
+  const int64_t units = x.K / 256, tiles = whole / kRows, jobs = (tiles + 1) / 2;
+  if (tiles == 0) return;
+  const int widen = static_cast<int>((PER + 4 * jobs - 1) / (4 * jobs));  // groups a chunk
+  alignas(64) uint8_t planes[2][2][4096];  // superblock u's lo and hi at planes[u % 2]
+  alignas(64) int32_t sums[2][2][2][kRows * kPanel];
+  thread_local std::vector<float> acc;
+  if (acc.size() < static_cast<size_t>(whole * kPanel + 16)) acc.resize(whole * kPanel + 16);
+  float* out = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
+  std::fill(out, out + whole * kPanel, 0.f);
+  for (int j = 0; j < PER; ++j) widen_group<KIND>(data, j, planes[0][0], planes[0][1]);
+  Pending pending;
+  int half = 0;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* next_unit = u + 1 < units ? data + (u + 1) * unit_bytes(KIND) : nullptr;
+    int next_group = 0;
+    for (int64_t job = 0; job < jobs; ++job) {
+      const int64_t m0 = 2 * kRows * job;
+      const int rt = 2 * job + 1 < tiles ? 2 : 1;
+      if (rt == 2)
+        products_job<KIND, 2>(planes[u % 2][0], planes[u % 2][1], x, m0, u, pending, pi.c, out,
+                              next_unit, widen, &next_group, planes[(u + 1) % 2][0],
+                              planes[(u + 1) % 2][1], sums[half]);
+      else
+        products_job<KIND, 1>(planes[u % 2][0], planes[u % 2][1], x, m0, u, pending, pi.c, out,
+                              next_unit, widen, &next_group, planes[(u + 1) % 2][0],
+                              planes[(u + 1) % 2][1], sums[half]);
+      pending = {data + u * unit_bytes(KIND), u, m0, rt, sums[half]};
+      half ^= 1;
+    }
+  }
+  for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out);
+  for (int64_t t = 0; t < tiles; ++t) store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
 }
 
 template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
                              float* y, int64_t N, const float* bias) {
   constexpr KindInfo ki = kKinds[KIND];
-  // K-quants: 16 x 64 tiles throughout (rows_amx_k); the 32-value formats: a group's tiles.
+  // K-quants: 16 x 64 tiles throughout (panel_amx_k); the 32-value formats: a group's tiles.
   static const TileConfig config = loop_config(ki.unit == 256 ? 0 : ki.group);
   const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
-  const int64_t plane = units * ki.unit * 16;  // one byte an output and value
-  const size_t widened_bytes =
-      ki.unit == 256 ? 2 * plane + 64 : ki.codes == kByte ? 0 : plane + 64;
-  thread_local std::vector<uint8_t> widened;
-  if (widened.size() < widened_bytes) widened.resize(widened_bytes);
-  uint8_t* buf = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
   load_config(config);
   if constexpr (ki.unit == 256) {
-    widen_scaled<KIND>(data, units, buf, buf + plane);
-    int64_t m0 = 0;
-    for (; m0 + 2 * kRows <= whole; m0 += 2 * kRows)
-      rows_amx_k<KIND, 2>(data, buf, buf + plane, pi, x, m0, y, N, bias);
-    if (m0 < whole) rows_amx_k<KIND, 1>(data, buf, buf + plane, pi, x, m0, y, N, bias);
+    panel_amx_k<KIND>(data, pi, x, whole, y, N, bias);
   } else {
+    const size_t widened_bytes = ki.codes == kByte ? 0 : units * 512 + 64;
+    thread_local std::vector<uint8_t> widened;
+    if (widened.size() < widened_bytes) widened.resize(widened_bytes);
+    uint8_t* buf = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
     if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
     for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }

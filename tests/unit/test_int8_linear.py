@@ -368,6 +368,8 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
               k_for(t, 7 if block_of(t) < 256 else 2), t) for i, t in enumerate(INT8_TYPES)]
     cases.append(([("Q4_K", random_rows("Q4_K", 16, 512, 30)),
                    ("Q8_0", random_rows("Q8_0", 21, 512, 31))], 512, None))
+    for i, t in enumerate(K_TYPES):  # 5 superblocks: each one's codes widened while the last's
+        cases.append(([(t, random_rows(t, 19, 1280, 40 + i))], 1280, t))  # products run
     before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
