@@ -205,21 +205,34 @@ FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0,
            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
+def largest_codes(type_: str, k: int, seed: int):
+    """21 rows of type_ whose every byte is 0xFF (Q8_0: 0x80, codes of -128) but the fp16
+    scales (2^-7): every code and integer scale at its largest. Returns (rows, their blocks)."""
+    rows = random_rows(type_, 21, k, seed=seed)
+    blocks = rows.reshape(21, k // block_of(type_), -1)
+    blocks[:] = 0x80 if type_ == "Q8_0" else 0xFF
+    for at in FP16_AT[type_]:
+        blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20
+    return rows, blocks
+
+
+def unit_signs(m: int, k: int) -> torch.Tensor:
+    """x quantized to +-127 everywhere: rows of +-1, and a row with both signs."""
+    x = torch.ones(m, k)
+    x[1::2] = -1
+    x[4, : k // 4] = -1
+    return x
+
+
 @pytest.mark.parametrize("type_", INT8_TYPES)
 def test_the_largest_sums_are_exact(isa, type_):
     """The integer sums at their bounds: every code at its largest (Q8_0: -128) against x
     quantized to +-127 everywhere, in every row count the loops tile. The AVX2 loop sums several
     steps' pairs in int16 before widening them; this is where they would overflow."""
     k = k_for(type_, 8 if block_of(type_) < 256 else 2)
-    rows = random_rows(type_, 21, k, seed=9)
-    blocks = rows.reshape(21, k // block_of(type_), -1)
-    blocks[:] = 0x80 if type_ == "Q8_0" else 0xFF
-    for at in FP16_AT[type_]:
-        blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20  # 2^-7
+    rows, _ = largest_codes(type_, k, seed=9)
     weight, _ = int8_matrix([(type_, rows)], k)
-    x = torch.ones(13, k)
-    x[1::2] = -1
-    x[4, : k // 4] = -1
+    x = unit_signs(13, k)
     y = ops.panel_linear(x, weight)
     np.testing.assert_array_equal(y.numpy(), reference(x.numpy(), weight, type_))
     assert y.abs().min() > 0  # not a cancelled sum: the bounds were reached
@@ -234,17 +247,11 @@ def test_the_largest_scaled_codes_are_exact(isa, type_):
     scales of either sign (Q6_K: -128 and 127), x at +-127, 48 rows (a pair of row tiles and
     one alone). The reference's bits, and the VNNI loop's."""
     k = 512
-    rows = random_rows(type_, 21, k, seed=13)
-    blocks = rows.reshape(21, k // 256, -1)
-    blocks[:] = 0xFF
-    for at in FP16_AT[type_]:
-        blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20  # 2^-7
+    rows, blocks = largest_codes(type_, k, seed=13)
     if type_ == "Q6_K":  # its 16 int8 scales at 192..207
         blocks[:, :, 192:208:2], blocks[:, :, 193:208:2] = 0x80, 0x7F
     weight, _ = int8_matrix([(type_, rows)], k)
-    x = torch.ones(48, k)
-    x[1::2] = -1
-    x[4, : k // 4] = -1
+    x = unit_signs(48, k)
     y = ops.panel_linear(x, weight)
     np.testing.assert_array_equal(y.numpy(), reference(x.numpy(), weight, type_))
     assert y.abs().min() > 0
