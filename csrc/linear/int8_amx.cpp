@@ -356,7 +356,8 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
     }
   }
   for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out);
-  for (int64_t t = 0; t < tiles; ++t) store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
+  for (int64_t t = 0; t < tiles; ++t)
+    store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
 }
 
 template <int KIND>
