@@ -290,15 +290,22 @@ FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, 
   else pending_part<KIND, 4>(p, c, pc, x, out);
 }
 
-// One superblock's tile products for RT row tiles from row m0 (x's tiles from Acts::qa), with
-// the vector pipes' work spread between its 4 chunks: the pending steps (a quarter after each)
-// and the next superblock's widening (`widen` groups after each, from *next_group).
+// The next superblock's widening, spread over the current one's chunks: `per_chunk` groups after
+// each, from `group` on, into lo / hi (unit: nullptr after the last superblock).
+struct NextWidening {
+  const uint8_t* unit;
+  int per_chunk, group;
+  uint8_t *lo, *hi;
+};
+
+// One superblock's tile products for RT row tiles from row m0 (x's tiles from Acts::qa; its
+// scaled codes at lo, hi), with the vector pipes' work spread between its 4 chunks: the pending
+// steps (a quarter after each) and some of the next superblock's widening.
 template <int KIND, int RT>
 FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, const Acts& x,
                                           int64_t m0, int64_t u, const Pending& pending,
-                                          int32_t pc, float* out, const uint8_t* next_unit,
-                                          int widen, int* next_group, uint8_t* next_lo,
-                                          uint8_t* next_hi, int32_t (*sums)[2][kRows * kPanel]) {
+                                          int32_t pc, float* out, NextWidening& widening,
+                                          int32_t (*sums)[2][kRows * kPanel]) {
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t next = x.K / 64 * 1024;  // bytes of qa a row tile
   const int8_t* a = x.qa + m0 / kRows * next + u * 4096;
@@ -306,8 +313,8 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
   for (int c = 0; c < 4; ++c) {
     chunk_products<RT>(lo + c * 1024, hi + c * 1024, a + c * 1024, next);
     if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out);
-    for (int g = 0; next_unit && g < widen && *next_group < PER; ++g)
-      widen_group<KIND>(next_unit, (*next_group)++, next_lo, next_hi);
+    for (int g = 0; widening.unit && g < widening.per_chunk && widening.group < PER; ++g)
+      widen_group<KIND>(widening.unit, widening.group++, widening.lo, widening.hi);
   }
   store_c<RT>(sums);
 }
@@ -326,7 +333,7 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t units = x.K / 256, tiles = whole / kRows, jobs = (tiles + 1) / 2;
   if (tiles == 0) return;
-  const int widen = static_cast<int>((PER + 4 * jobs - 1) / (4 * jobs));  // groups a chunk
+  const int per_chunk = static_cast<int>((PER + 4 * jobs - 1) / (4 * jobs));
   alignas(64) uint8_t planes[2][2][4096];  // superblock u's lo and hi at planes[u % 2]
   alignas(64) int32_t sums[2][2][2][kRows * kPanel];
   thread_local std::vector<float> acc;
@@ -338,19 +345,16 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   Pending pending;
   int half = 0;
   for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* next_unit = u + 1 < units ? data + (u + 1) * unit_bytes(KIND) : nullptr;
-    int next_group = 0;
+    const uint8_t *lo = planes[u % 2][0], *hi = planes[u % 2][1];
+    NextWidening widening{u + 1 < units ? data + (u + 1) * unit_bytes(KIND) : nullptr, per_chunk,
+                          0, planes[(u + 1) % 2][0], planes[(u + 1) % 2][1]};
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t m0 = 2 * kRows * job;
       const int rt = 2 * job + 1 < tiles ? 2 : 1;
       if (rt == 2)
-        products_job<KIND, 2>(planes[u % 2][0], planes[u % 2][1], x, m0, u, pending, pi.c, out,
-                              next_unit, widen, &next_group, planes[(u + 1) % 2][0],
-                              planes[(u + 1) % 2][1], sums[half]);
+        products_job<KIND, 2>(lo, hi, x, m0, u, pending, pi.c, out, widening, sums[half]);
       else
-        products_job<KIND, 1>(planes[u % 2][0], planes[u % 2][1], x, m0, u, pending, pi.c, out,
-                              next_unit, widen, &next_group, planes[(u + 1) % 2][0],
-                              planes[(u + 1) % 2][1], sums[half]);
+        products_job<KIND, 1>(lo, hi, x, m0, u, pending, pi.c, out, widening, sums[half]);
       pending = {data + u * unit_bytes(KIND), u, m0, rt, sums[half]};
       half ^= 1;
     }

@@ -207,7 +207,8 @@ FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0,
 
 def largest_codes(type_: str, k: int, seed: int):
     """21 rows of type_ whose every byte is 0xFF (Q8_0: 0x80, codes of -128) but the fp16
-    scales (2^-7): every code and integer scale at its largest. Returns (rows, their blocks)."""
+    scales (2^-7): every code at its largest, and the K4 formats' integer scales (Q6_K's int8
+    scales are then -1). Returns (rows, their blocks)."""
     rows = random_rows(type_, 21, k, seed=seed)
     blocks = rows.reshape(21, k // block_of(type_), -1)
     blocks[:] = 0x80 if type_ == "Q8_0" else 0xFF
