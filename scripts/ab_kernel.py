@@ -35,6 +35,8 @@ import torch
 from freetoken import ops
 typ, form = sys.argv[1], sys.argv[6]
 n, k, rows, copies = (int(a) for a in sys.argv[2:6])
+if sys.argv[7] == "no-amx":  # the VNNI loop on an AMX host
+    ops.set_int8_amx(False)
 # values and bytes a block, and where its fp16 scales lie (each set to 2^-7)
 values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
                        "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--cases", default="2:cold,1:cold,2:hot", help="threads:cold|hot,...")
     ap.add_argument("--bursts", type=int, default=30, help="bursts of 12 calls per tree")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="--form int8 on an AMX host: the VNNI loop at every row count")
     args = ap.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.trees)
     print(f"starting {len(trees)} workers ({args.copies} x {args.type} [{args.n}, {args.k}])",
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = {
         label: subprocess.Popen(
             [sys.executable, "-c", WORKER, args.type, str(args.n), str(args.k), str(args.rows),
-             str(args.copies), args.form],
+             str(args.copies), args.form, "no-amx" if args.no_amx else "amx"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             # cwd too: `python -c` puts the working directory first on sys.path
             env=dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_WAIT_POLICY="PASSIVE"),
