@@ -142,7 +142,8 @@ FT_TARGET_VNNI void quantize_blocks_vnni(const float* x, int B, const ActsOut& o
 // loop too (Zen 3, 8192 x 2048 from DRAM, one row: Q4_K 0.77-0.89x the time, Q6_K 0.82x; 4096
 // ahead read the same as 2048). Into L2 (prefetcht1), as the exact mode's block panels: on an
 // Intel AMX host, one row from DRAM, two threads, Q4_K 8192 x 2048 0.79x the time of prefetcht0
-// (15.4 -> 19.6 GB/s), Q6_K 2048 x 8192 0.90x, 8 rows and the 32-value formats level.
+// (15.4 -> 19.6 GB/s), Q6_K 2048 x 8192 0.90x, 8 rows and the 32-value formats level; at 224
+// rows (hot) 0.81x and 0.91x (likely: the panel's next bytes no longer evict x's rows from L1).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // The 4 codes of x's row m0 + m at k (a multiple of 4): from the row, or (TILED) from the tile
