@@ -319,17 +319,20 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
   store_c<RT>(sums);
 }
 
-// A K-quant panel's whole row tiles [0, whole) into y. Superblock by superblock (its scaled
-// codes widened once, 8 KB that stay in L1 for every row), pairs of row tiles (and one alone
-// last) take its tile products 64 values at a time; between those chunks the vector pipes do the
-// previous pair's steps (its sums from the other half of sums) and widen the next superblock.
+// A K-quant panel's whole row tiles [0, whole), superblocks [u0, u1), into y (from u0 > 0 the
+// accumulators start from y, where the range before left them). Superblock by superblock (its
+// scaled codes widened once, 8 KB that stay in L1 for every row), pairs of row tiles (and one
+// alone last) take its tile products 64 values at a time; between those chunks the vector pipes
+// do the previous pair's steps (its sums from the other half of sums) and widen the next
+// superblock.
 // NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
 // for the previous chunk's products, and the work between them keeps the vector pipes busy
 // meanwhile. A pair's products for a superblock, then its steps whole: 1.07x the time for a
 // 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
 template <int KIND>
 FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const Acts& x,
-                               int64_t whole, float* y, int64_t N, const float* bias) {
+                               int64_t whole, int64_t u0, int64_t u1, float* y, int64_t N,
+                               const float* bias) {
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t units = x.K / 256, tiles = whole / kRows, jobs = (tiles + 1) / 2;
   if (tiles == 0) return;
@@ -340,13 +343,16 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   if (acc.size() < static_cast<size_t>(whole * kPanel + 16)) acc.resize(whole * kPanel + 16);
   float* out = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
-  std::fill(out, out + whole * kPanel, 0.f);
-  for (int j = 0; j < PER; ++j) widen_group<KIND>(data, j, planes[0][0], planes[0][1]);
+  if (u0 == 0) std::fill(out, out + whole * kPanel, 0.f);
+  for (int64_t t = 0; u0 > 0 && t < tiles; ++t)
+    resume_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
+  for (int j = 0; j < PER; ++j)
+    widen_group<KIND>(data + u0 * unit_bytes(KIND), j, planes[u0 % 2][0], planes[u0 % 2][1]);
   Pending pending;
   int half = 0;
-  for (int64_t u = 0; u < units; ++u) {
+  for (int64_t u = u0; u < u1; ++u) {
     const uint8_t *lo = planes[u % 2][0], *hi = planes[u % 2][1];
-    NextWidening widening{u + 1 < units ? data + (u + 1) * unit_bytes(KIND) : nullptr, per_chunk,
+    NextWidening widening{u + 1 < u1 ? data + (u + 1) * unit_bytes(KIND) : nullptr, per_chunk,
                           0, planes[(u + 1) % 2][0], planes[(u + 1) % 2][1]};
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t m0 = 2 * kRows * job;
@@ -360,21 +366,25 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
     }
   }
   for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out);
-  for (int64_t t = 0; t < tiles; ++t)
-    store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (u1 == units) store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
+    else park_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
+  }
 }
 
+// Rows [0, M) against a panel, K's superblocks [u0, u1) (of 256 values; u1 * 256 >= K: the
+// last range). A 32-value format's panel takes all of K with the first range.
 template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
-                             float* y, int64_t N, const float* bias) {
+                             int64_t u0, int64_t u1, float* y, int64_t N, const float* bias) {
   constexpr KindInfo ki = kKinds[KIND];
   // K-quants: 16 x 64 tiles throughout (panel_amx_k); the 32-value formats: a group's tiles.
   static const TileConfig config = loop_config(ki.unit == 256 ? 0 : ki.group);
   const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
   load_config(config);
   if constexpr (ki.unit == 256) {
-    panel_amx_k<KIND>(data, pi, x, whole, y, N, bias);
-  } else {
+    panel_amx_k<KIND>(data, pi, x, whole, u0, u1, y, N, bias);
+  } else if (u0 == 0) {
     const size_t widened_bytes = ki.codes == kByte ? 0 : units * 512 + 64;
     thread_local std::vector<uint8_t> widened;
     if (widened.size() < widened_bytes) widened.resize(widened_bytes);
@@ -384,8 +394,9 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
     for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }
   asm volatile("tilerelease" ::: "memory");
-  if (whole == M) return;
-  // The last rows: the VNNI loop on the rows from `whole` (the same arithmetic per row).
+  if (whole == M || u1 * 256 < x.K) return;
+  // The last rows: the VNNI loop on the rows from `whole` (the same arithmetic per row), all of
+  // K, once (with the last range).
   const int64_t ld32 = x.K / kXBlock;
   const Acts rest{x.q + whole * x.K,       x.d + whole * ld32,    x.s16 + whole * 2 * ld32,
                   x.s32 + whole * ld32,    x.xs32 + whole * ld32, x.K};
@@ -401,10 +412,10 @@ bool tiles_permitted() {
 
 }  // namespace
 
-void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
-                   int64_t N, const float* bias) {
+void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
+                   int64_t u0, int64_t u1, float* y, int64_t N, const float* bias) {
   with_kind(pi.kind, [&](auto kind) {
-    panel_amx<decltype(kind)::value>(data, pi, x, M, y, N, bias);
+    panel_amx<decltype(kind)::value>(data, pi, x, M, u0, u1, y, N, bias);
   });
 }
 
@@ -439,8 +450,8 @@ FT_TARGET_AMX void amx_chains(int64_t iters) {
 
 #else
 
-void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
-                   int64_t N, const float* bias) {
+void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, int64_t,
+                   int64_t, float* y, int64_t N, const float* bias) {
   panel_portable(data, pi, x, M, y, N, bias);
 }
 bool cpu_has_amx() { return false; }

@@ -71,6 +71,13 @@ std::atomic<bool>& amx_allowed() {
 // below, widening the 4-bit codes for the tiles costs what the tiles save (SmolLM2's Q4_1, two
 // threads: 16 rows 1.1x the VNNI loop's time, 32 rows 0.85-1.0x, 128 rows 0.75-0.9x).
 constexpr int64_t kAmxRows = 32;
+// NOTE: the AMX loop's x (its tile copy of a K-quant's rows) is read again by every panel; past
+// ~1 MiB it falls out of L2 (2 MiB a core on AMX CPUs) and each panel streams it from L3. In
+// ranges of K of 1 MiB of x, at 224 rows: the 1B-shaped ffn_down (2048 x 8192, two ranges) Q4_K
+// 0.71-0.89x the time, Q6_K 0.79-0.85x; the 8B-shaped (4096 x 14336, four) 0.63-0.70x; 512 KiB
+// ranges gained less, and cost K = 4096 1.07-1.11x. Level: 8192 x 2048 at 1024 rows (2 MB of x,
+// two ranges), and the VNNI loop in ranges (1.00-1.07x: its products, not x, hold it).
+constexpr int64_t kAmxRangeBytes = int64_t{1} << 20;
 bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 // AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
@@ -320,12 +327,12 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   if (amx && mat.xblock == 256) amx_rows(store);
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
-  const auto run = [&](int64_t p0, int64_t p1) {
+  const auto run = [&](int64_t p0, int64_t p1, int64_t u0, int64_t u1) {
     for (int64_t p = p0; p < p1; ++p) {
       const PanelInfo& pi = mat.panels[p];
 #if FT_HAS_ISA_VARIANTS
       if (amx) {
-        run_panel_amx(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        run_panel_amx(mat.base + pi.offset, pi, acts, M, u0, u1, yp, mat.N, b);
         continue;
       }
       if (vnni) {
@@ -346,7 +353,19 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
   const int64_t n =
       std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
-  TaskPool::get().run(n, nthreads, [&](int64_t t) { run(mat.P * t / n, mat.P * (t + 1) / n); });
+  // The AMX loop takes a K-quant matrix in ranges of K whose x (Acts::qa) stays in L2 while every
+  // panel reads it again (kAmxRangeBytes of it a range), each range's sums parked in y.
+  const int64_t superblocks = (mat.K + 255) / 256;
+  const int64_t ranges =
+      amx && mat.xblock == 256
+          ? std::clamp<int64_t>((M * mat.K + kAmxRangeBytes - 1) / kAmxRangeBytes, 1, superblocks)
+          : 1;
+  for (int64_t r = 0; r < ranges; ++r) {
+    const int64_t u0 = superblocks * r / ranges, u1 = superblocks * (r + 1) / ranges;
+    TaskPool::get().run(n, nthreads, [&](int64_t t) {
+      run(mat.P * t / n, mat.P * (t + 1) / n, u0, u1);
+    });
+  }
   return y;
 }
 

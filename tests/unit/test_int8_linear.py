@@ -385,7 +385,40 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
             weight, _ = int8_matrix(parts, k)
             n = sum(rows.shape[0] for _, rows in parts)
             x, bias = varied_rows(71, k), torch.randn(n)
-            for m in (16, 31, 32, 47, 48, 64, 71):
+            for m in (16, 31, 32, 33, 35, 37, 41, 45, 47, 48, 64, 71):
+                ops.set_int8_amx(True)
+                amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                ops.set_int8_amx(False)
+                vnni = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                assert torch.equal(amx, vnni), (parts[-1][0], m)
+            if type_ is not None:
+                ref = reference(x.numpy(), weight, type_) + bias.numpy()
+                np.testing.assert_array_equal(amx.numpy(), ref)
+    finally:
+        ops.set_int8_amx(before)
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_loop_in_ranges_of_k_gives_the_same_bits(threads):
+    """Past 1 MiB of x (rows x K), the AMX loop takes a K-quant matrix in ranges of K, each
+    range's sums left in y for the next; the bits are the whole K's (the VNNI loop's and the
+    reference's): every K-quant, a 32-value format beside one (it takes all of K at once), rows
+    past the last whole tile, a bias, 1 or 2 threads."""
+    if not ops.int8_amx_available():
+        pytest.skip("needs a CPU with AMX-INT8")
+    k = 16384  # 71 rows: 1.16 MB of x, two ranges; 140 rows three
+    cases = [([(t, random_rows(t, 20, k, seed=50 + i))], t) for i, t in enumerate(K_TYPES)]
+    cases.append(([("Q6_K", random_rows("Q6_K", 16, k, 60)),
+                   ("Q8_0", random_rows("Q8_0", 5, k, 61))], None))
+    before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for parts, type_ in cases:
+            weight, _ = int8_matrix(parts, k)
+            n = sum(rows.shape[0] for _, rows in parts)
+            x, bias = varied_rows(140, k), torch.randn(n)
+            for m in (64, 71, 140):
                 ops.set_int8_amx(True)
                 amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
                 ops.set_int8_amx(False)
