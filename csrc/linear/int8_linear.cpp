@@ -73,10 +73,11 @@ std::atomic<bool>& amx_allowed() {
 constexpr int64_t kAmxRows = 32;
 // NOTE: the AMX loop's x (its tile copy of a K-quant's rows) is read again by every panel; past
 // ~1 MiB it falls out of L2 (2 MiB a core on AMX CPUs) and each panel streams it from L3. In
-// ranges of K of 1 MiB of x, at 224 rows: the 1B-shaped ffn_down (2048 x 8192, two ranges) Q4_K
-// 0.71-0.89x the time, Q6_K 0.79-0.85x; the 8B-shaped (4096 x 14336, four) 0.63-0.70x; 512 KiB
-// ranges gained less, and cost K = 4096 1.07-1.11x. Level: 8192 x 2048 at 1024 rows (2 MB of x,
-// two ranges), and the VNNI loop in ranges (1.00-1.07x: its products, not x, hold it).
+// ranges of K of 1 MiB of x, at 224 rows: the 8B-shaped ffn_down (4096 x 14336, four ranges)
+// Q4_K 0.70-0.84x the time on two threads, 0.69-0.73x on one; the 1B-shaped (2048 x 8192, two)
+// 0.93-1.08x and 0.86-0.91x (two runs of each tree, interleaved). 512 KiB ranges gained less and
+// cost K = 4096 1.07-1.11x. Level: 8192 x 2048 at 1024 rows (2 MB of x, two ranges), and the
+// VNNI loop in ranges (1.00-1.07x: its products, not x, hold it).
 constexpr int64_t kAmxRangeBytes = int64_t{1} << 20;
 bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 // AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
