@@ -112,7 +112,7 @@ FT_TARGET_VNNI FT_INLINE void add_scaled(const uint8_t* unit, int j, const __m51
 
 // A K-quant superblock's fp32 step for rows [m0, m0 + MR), superblock u at unit, after its groups'
 // integer sum I[m] = sum_g sc[g] * (codes . x) (no offset): the second integer sum (Q4_K / Q5_K
-// the mins times x's sums of 32; Q6_K its scales times x's sums of 16, for the offset c), then
+// the mins times x's sums of 32; Q6_K c times its scales times x's sums of 16, the offset), then
 // acc_out [MR][16] (L1) += the superblock's fp32 terms.
 template <int MR, int KIND>
 FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, const Acts& x,
@@ -126,7 +126,10 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
   for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
 #pragma GCC unroll 16
   for (int p = 0; p < PER / 2; ++p) {
-    const __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
+    __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
+    // Q6_K: c * sc in the pairs (32 x [-128, 127] fits int16), once a superblock, not a
+    // vpmulld (two uops) a row.
+    if constexpr (!k4) pairs = _mm512_mullo_epi16(pairs, _mm512_set1_epi16(int16_t(c)));
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
       S[m] = dot2w(S[m], pairs, k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
@@ -138,8 +141,7 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
-    if constexpr (!k4)
-      I[m] = _mm512_sub_epi32(I[m], _mm512_mullo_epi32(S[m], _mm512_set1_epi32(c)));
+    if constexpr (!k4) I[m] = _mm512_sub_epi32(I[m], S[m]);
     const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
     __m512 acc = _mm512_add_ps(
         _mm512_loadu_ps(acc_out + m * kPanel),
