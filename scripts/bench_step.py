@@ -15,7 +15,10 @@ the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 (each flag is a freetoken.ops.configure argument, set before the model loads).
 
 --profile adds torch.profiler's op table for the classify and decode steps; --unfused runs each
-decoder layer's Python path instead of its one C++ call (ops.decoder_layer), for A/B runs.
+decoder layer's Python path instead of its one C++ call (ops.decoder_layer), for A/B runs;
+--breakdown times the classify step's pieces on that Python path (each projection, attention,
+RMSNorm, SiLU-mul, RoPE: wall time around each call, so the elementwise pieces read slower than
+inside the fused layer).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--unfused", action="store_true", help="decoder layers in Python")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the classify step's pieces (on the Python path)")
     ap.add_argument("--linear", default="auto", choices=ops.LINEAR_MODES)
     ap.add_argument("--backend", default="auto", choices=ops.BACKENDS)
     ap.add_argument("--pool-poll-us", type=int, default=None)
@@ -55,7 +60,7 @@ def main() -> int:
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), load_tokenizer=False,
                     progress=False)
     m, vocab = lm.model, lm.config.vocab_size
-    if args.unfused:
+    if args.unfused or args.breakdown:
         for layer in m.layers:
             layer.fused = None
     kv = m.make_kv_cache(256, BS)
@@ -89,6 +94,8 @@ def main() -> int:
                      "lm_head_ms": statistics.median(head) * 1e3}
         print(f"{name}: forward {out[name]['forward_ms']:.1f} ms, lm_head "
               f"{out[name]['lm_head_ms']:.1f} ms", file=sys.stderr)
+    if args.breakdown:
+        out["classify_pieces_ms"] = breakdown(m, steps["classify_8x28"], kv, args.repeats)
     if args.profile:
         from torch.profiler import profile
         for name in ("classify_8x28", "decode_8x1"):
@@ -106,6 +113,50 @@ def main() -> int:
                       "steps": out,
                       "loadavg": os.getloadavg()}))
     return 0
+
+
+def breakdown(m, batch, kv, repeats: int) -> dict[str, float]:
+    """Mean ms a step of each piece of the Python path (timers around each call)."""
+    from freetoken.model import linear as linear_mod
+    from freetoken.model import llama
+
+    spent: dict[str, float] = {}
+
+    def timed(label, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return call
+
+    names = {id(mod): name.rsplit(".", 1)[-1] for layer in m.layers
+             for name, mod in layer.named_modules() if isinstance(mod, linear_mod.Linear)}
+    patched = [(llama, "paged_attention"), (ops, "silu_mul"), (ops, "rms_norm"), (ops, "rope_")]
+    saved = [getattr(mod, name) for mod, name in patched] + [linear_mod.Linear.forward]
+    forward = linear_mod.Linear.forward
+    for mod, name in patched:
+        setattr(mod, name, timed(name, getattr(mod, name)))
+    def linear_forward(self, x):
+        return timed(names.get(id(self), "other linear"), forward)(self, x)
+
+    linear_mod.Linear.forward = linear_forward
+    try:
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            m.compute_logits(m.forward(batch, kv))
+        total = (time.perf_counter() - t0) / repeats * 1e3
+    finally:
+        for (mod, name), fn in zip(patched, saved):
+            setattr(mod, name, fn)
+        linear_mod.Linear.forward = saved[-1]
+    pieces = {k: v / repeats * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    pieces["rest"] = total - sum(pieces.values())
+    print(f"classify_8x28 pieces ({total:.1f} ms a step):", file=sys.stderr)
+    for k, v in pieces.items():
+        print(f"  {k:16s} {v:8.1f} ms  {100 * v / total:5.1f} %", file=sys.stderr)
+    return pieces
 
 
 if __name__ == "__main__":
