@@ -362,6 +362,31 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
             ops.set_int8_amx(before)
 
 
+def assert_amx_matches_vnni(cases, row_counts, threads):
+    """For each (parts, k, type_): the AMX loop's y at each row count is the VNNI loop's, bit for
+    bit, with a bias, on `threads` threads; and at the last (largest) count the reference's
+    (where type_ names the matrix's one format)."""
+    before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for parts, k, type_ in cases:
+            weight, _ = int8_matrix(parts, k)
+            n = sum(rows.shape[0] for _, rows in parts)
+            x, bias = varied_rows(row_counts[-1], k), torch.randn(n)
+            for m in row_counts:
+                ops.set_int8_amx(True)
+                amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                ops.set_int8_amx(False)
+                vnni = ops.panel_linear(x[:m].contiguous(), weight, bias)
+                assert torch.equal(amx, vnni), (parts[-1][0], m)
+            if type_ is not None:
+                ref = reference(x.numpy(), weight, type_) + bias.numpy()
+                np.testing.assert_array_equal(amx.numpy(), ref)
+    finally:
+        ops.set_int8_amx(before)
+        torch.set_num_threads(threads_before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_and_vnni_loops_give_the_same_bits(threads):
     """Where the CPU has AMX-INT8, steps from 32 rows up take tile products; their integer
@@ -378,25 +403,7 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
                    ("Q8_0", random_rows("Q8_0", 21, 512, 31))], 512, None))
     for i, t in enumerate(K_TYPES):  # 5 superblocks: each one's codes widened while the last's
         cases.append(([(t, random_rows(t, 19, 1280, 40 + i))], 1280, t))  # products run
-    before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        for parts, k, type_ in cases:
-            weight, _ = int8_matrix(parts, k)
-            n = sum(rows.shape[0] for _, rows in parts)
-            x, bias = varied_rows(71, k), torch.randn(n)
-            for m in (16, 31, 32, 33, 35, 37, 41, 45, 47, 48, 64, 71):
-                ops.set_int8_amx(True)
-                amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
-                ops.set_int8_amx(False)
-                vnni = ops.panel_linear(x[:m].contiguous(), weight, bias)
-                assert torch.equal(amx, vnni), (parts[-1][0], m)
-            if type_ is not None:
-                ref = reference(x.numpy(), weight, type_) + bias.numpy()
-                np.testing.assert_array_equal(amx.numpy(), ref)
-    finally:
-        ops.set_int8_amx(before)
-        torch.set_num_threads(threads_before)
+    assert_amx_matches_vnni(cases, (16, 31, 32, 33, 35, 37, 41, 45, 47, 48, 64, 71), threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -408,25 +415,7 @@ def test_amx_loop_in_ranges_of_k_gives_the_same_bits(threads):
     if not ops.int8_amx_available():
         pytest.skip("needs a CPU with AMX-INT8")
     k = 16384  # 71 rows: 1.16 MB of x, two ranges; 140 rows three
-    cases = [([(t, random_rows(t, 20, k, seed=50 + i))], t) for i, t in enumerate(K_TYPES)]
+    cases = [([(t, random_rows(t, 20, k, seed=50 + i))], k, t) for i, t in enumerate(K_TYPES)]
     cases.append(([("Q6_K", random_rows("Q6_K", 16, k, 60)),
-                   ("Q8_0", random_rows("Q8_0", 5, k, 61))], None))
-    before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        for parts, type_ in cases:
-            weight, _ = int8_matrix(parts, k)
-            n = sum(rows.shape[0] for _, rows in parts)
-            x, bias = varied_rows(140, k), torch.randn(n)
-            for m in (64, 71, 140):
-                ops.set_int8_amx(True)
-                amx = ops.panel_linear(x[:m].contiguous(), weight, bias)
-                ops.set_int8_amx(False)
-                vnni = ops.panel_linear(x[:m].contiguous(), weight, bias)
-                assert torch.equal(amx, vnni), (parts[-1][0], m)
-            if type_ is not None:
-                ref = reference(x.numpy(), weight, type_) + bias.numpy()
-                np.testing.assert_array_equal(amx.numpy(), ref)
-    finally:
-        ops.set_int8_amx(before)
-        torch.set_num_threads(threads_before)
+                   ("Q8_0", random_rows("Q8_0", 5, k, 61))], k, None))
+    assert_amx_matches_vnni(cases, (64, 71, 140), threads)
