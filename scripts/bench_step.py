@@ -16,7 +16,7 @@ the lm_head timed apart. Medians. For A/B runs of the forward's pieces:
 
 --profile adds torch.profiler's op table for the classify and decode steps; --unfused runs each
 decoder layer's Python path instead of its one C++ call (ops.decoder_layer), for A/B runs;
---breakdown times the classify step's pieces on that Python path (each projection, attention,
+--breakdown then times the classify step's pieces on that Python path (each projection, attention,
 RMSNorm, SiLU-mul, RoPE: wall time around each call, so the elementwise pieces read slower than
 inside the fused layer).
 """
@@ -60,7 +60,7 @@ def main() -> int:
     lm = load_model(args.model, dtype=getattr(torch, args.dtype), load_tokenizer=False,
                     progress=False)
     m, vocab = lm.model, lm.config.vocab_size
-    if args.unfused or args.breakdown:
+    if args.unfused:
         for layer in m.layers:
             layer.fused = None
     kv = m.make_kv_cache(256, BS)
@@ -116,7 +116,8 @@ def main() -> int:
 
 
 def breakdown(m, batch, kv, repeats: int) -> dict[str, float]:
-    """Mean ms a step of each piece of the Python path (timers around each call)."""
+    """Mean ms a step of each piece of the Python path (timers around each call; the layers'
+    fused calls are off meanwhile)."""
     from freetoken.model import linear as linear_mod
     from freetoken.model import llama
 
@@ -134,14 +135,17 @@ def breakdown(m, batch, kv, repeats: int) -> dict[str, float]:
     names = {id(mod): name.rsplit(".", 1)[-1] for layer in m.layers
              for name, mod in layer.named_modules() if isinstance(mod, linear_mod.Linear)}
     patched = [(llama, "paged_attention"), (ops, "silu_mul"), (ops, "rms_norm"), (ops, "rope_")]
-    saved = [getattr(mod, name) for mod, name in patched] + [linear_mod.Linear.forward]
-    forward = linear_mod.Linear.forward
+    saved = [getattr(mod, name) for mod, name in patched]
+    forward, fused = linear_mod.Linear.forward, [layer.fused for layer in m.layers]
     for mod, name in patched:
         setattr(mod, name, timed(name, getattr(mod, name)))
+
     def linear_forward(self, x):
         return timed(names.get(id(self), "other linear"), forward)(self, x)
 
     linear_mod.Linear.forward = linear_forward
+    for layer in m.layers:
+        layer.fused = None
     try:
         t0 = time.perf_counter()
         for _ in range(repeats):
@@ -150,7 +154,9 @@ def breakdown(m, batch, kv, repeats: int) -> dict[str, float]:
     finally:
         for (mod, name), fn in zip(patched, saved):
             setattr(mod, name, fn)
-        linear_mod.Linear.forward = saved[-1]
+        linear_mod.Linear.forward = forward
+        for layer, f in zip(m.layers, fused):
+            layer.fused = f
     pieces = {k: v / repeats * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     pieces["rest"] = total - sum(pieces.values())
     print(f"classify_8x28 pieces ({total:.1f} ms a step):", file=sys.stderr)
