@@ -131,16 +131,30 @@ FT_TARGET_AMX FT_INLINE void stored_sums(int32_t* sums, __m512i (&P)[kRows]) {
   for (int m = 0; m < kRows; ++m) P[m] = _mm512_load_si512(sums + m * kPanel);
 }
 
-// store_rows (int8_kernels.h) as masked vector stores: the same sums (acc + bias, or + 0), one
-// store a row. NOTE: GCC left store_rows scalar here, 16 stores a row of y N floats apart (a
-// 1B-shaped Q4_K 8192 x 2048 at 224 rows, one thread: 0.91-0.97x the time with these).
-FT_TARGET_AMX FT_INLINE void store_rows16(const float* acc, int64_t m0, const PanelInfo& pi,
-                                          float* y, int64_t N, const float* bias) {
-  const __mmask16 lanes = static_cast<__mmask16>((1u << (pi.n1 - pi.n0)) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + pi.n0) : _mm512_setzero_ps();
-  for (int m = 0; m < kRows; ++m)
-    _mm512_mask_storeu_ps(y + (m0 + m) * N + pi.n0, lanes,
-                          _mm512_add_ps(_mm512_load_ps(acc + m * kPanel), b));
+// Where a panel's rows go: y's columns [pi.n0, pi.n1). The last range of K (final) adds the
+// bias (or + 0, as store_rows in int8_kernels.h); a range before it leaves its sums there as they
+// are, for the next range (resume_rows).
+struct PanelOut {
+  const PanelInfo& pi;
+  float* y;
+  int64_t N;
+  const float* bias;
+  bool final;
+};
+
+// Rows [m0, m0 + R) of a panel's sums (acc [R][16]) into y, one masked store a row. NOTE: GCC
+// left store_rows scalar here, 16 stores a row of y N floats apart (a 1B-shaped Q4_K 8192 x 2048
+// at 224 rows, one thread: 0.91-0.97x the time with these).
+template <int R>
+FT_TARGET_AMX FT_INLINE void write_rows(const float* acc, int64_t m0, const PanelOut& o) {
+  const int64_t n0 = o.pi.n0;
+  const __mmask16 lanes = static_cast<__mmask16>((1u << (o.pi.n1 - n0)) - 1);
+  const __m512 b = o.bias ? _mm512_maskz_loadu_ps(lanes, o.bias + n0) : _mm512_setzero_ps();
+  float* row = o.y + m0 * o.N + n0;
+  for (int m = 0; m < R; ++m, row += o.N) {
+    const __m512 v = _mm512_load_ps(acc + m * kPanel);
+    _mm512_mask_storeu_ps(row, lanes, o.final ? _mm512_add_ps(v, b) : v);
+  }
 }
 
 // Rows [m0, m0 + 16) of a 32-value panel into y, its B tiles from widen_codes' buf. Group u's
@@ -166,7 +180,7 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
   }
   alignas(64) float out[kRows * kPanel];
   for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, acc[m]);
-  store_rows16(out, m0, pi, y, N, bias);
+  write_rows<kRows>(out, m0, {pi, y, N, bias, true});
 }
 
 // A K-quant group's codes times its integer scales, as tile operands. A product code * sc fits
@@ -265,29 +279,41 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
 }
 
 // A K-quant panel's steps still to do: superblock u's, for RT row tiles from row m0, their sums
-// at sums.
+// at sums; last: the range's last superblock (its rows then go to y); fetch_y: two before it
+// (its rows' lines of y are fetched for writing).
 struct Pending {
   const uint8_t* unit = nullptr;  // nullptr: none
   int64_t u = 0, m0 = 0;
   int rt = 0;
+  bool last = false, fetch_y = false;
   const int32_t (*sums)[2][kRows * kPanel] = nullptr;
 };
 
 // Piece c (of 4) of a pending superblock's steps: a quarter of its rows (PART = 4 RT), into out
-// (the panel's accumulators, row m at out + m * kPanel).
+// (the panel's accumulators, row m at out + m * kPanel), and after the range's last superblock
+// into y.
+// NOTE: y's rows a piece at a time, their lines fetched two superblocks before, not the panel's
+// rows after its last step: those stores (a line of y each, 7 MB of lines for a 1B-shaped
+// 8192 x 2048 at 224 rows) missed the cache together and filled the store buffer while the tiles
+// waited. Spread and fetched: 0.89x / 0.91x the time (two threads / one) for that matrix, 0.95x
+// for 2048 x 8192 (spread alone: slower, 1.07x; streaming stores: level with fetching, but y
+// then leaves the cache that the next op reads it from).
 template <int KIND, int PART>
 FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, int32_t pc, const Acts& x,
-                                          float* out) {
+                                          float* out, const PanelOut& o) {
   const int r = c * PART / kRows, mr = c * PART % kRows;
   const int64_t m = p.m0 + kRows * r + mr;
   scaled_step<PART, KIND>(p.unit, pc, x, m, p.u, p.sums[r][0] + mr * kPanel,
                           p.sums[r][1] + mr * kPanel, out + m * kPanel);
+  if (p.last) write_rows<PART>(out + m * kPanel, m, o);
+  if (p.fetch_y)
+    for (int i = 0; i < PART; ++i) _m_prefetchw(o.y + (m + i) * o.N + o.pi.n0);
 }
 template <int KIND>
 FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, const Acts& x,
-                                           float* out) {
-  if (p.rt == 2) pending_part<KIND, 8>(p, c, pc, x, out);
-  else pending_part<KIND, 4>(p, c, pc, x, out);
+                                           float* out, const PanelOut& o) {
+  if (p.rt == 2) pending_part<KIND, 8>(p, c, pc, x, out, o);
+  else pending_part<KIND, 4>(p, c, pc, x, out, o);
 }
 
 // The next superblock's widening, spread over the current one's chunks: `per_chunk` groups after
@@ -304,7 +330,8 @@ struct NextWidening {
 template <int KIND, int RT>
 FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, const Acts& x,
                                           int64_t m0, int64_t u, const Pending& pending,
-                                          int32_t pc, float* out, NextWidening& widening,
+                                          int32_t pc, float* out, const PanelOut& o,
+                                          NextWidening& widening,
                                           int32_t (*sums)[2][kRows * kPanel]) {
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t next = x.K / 64 * 1024;  // bytes of qa a row tile
@@ -312,7 +339,7 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
   zero_c<RT>();
   for (int c = 0; c < 4; ++c) {
     chunk_products<RT>(lo + c * 1024, hi + c * 1024, a + c * 1024, next);
-    if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out);
+    if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out, o);
     for (int g = 0; widening.unit && g < widening.per_chunk && widening.group < PER; ++g)
       widen_group<KIND>(widening.unit, widening.group++, widening.lo, widening.hi);
   }
@@ -348,6 +375,7 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
     resume_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
   for (int j = 0; j < PER; ++j)
     widen_group<KIND>(data + u0 * unit_bytes(KIND), j, planes[u0 % 2][0], planes[u0 % 2][1]);
+  const PanelOut o{pi, y, N, bias, u1 == units};
   Pending pending;
   int half = 0;
   for (int64_t u = u0; u < u1; ++u) {
@@ -358,30 +386,24 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
       const int64_t m0 = 2 * kRows * job;
       const int rt = 2 * job + 1 < tiles ? 2 : 1;
       if (rt == 2)
-        products_job<KIND, 2>(lo, hi, x, m0, u, pending, pi.c, out, widening, sums[half]);
+        products_job<KIND, 2>(lo, hi, x, m0, u, pending, pi.c, out, o, widening, sums[half]);
       else
-        products_job<KIND, 1>(lo, hi, x, m0, u, pending, pi.c, out, widening, sums[half]);
-      pending = {data + u * unit_bytes(KIND), u, m0, rt, sums[half]};
+        products_job<KIND, 1>(lo, hi, x, m0, u, pending, pi.c, out, o, widening, sums[half]);
+      pending = {data + u * unit_bytes(KIND), u, m0, rt, u + 1 == u1, u + 3 == u1, sums[half]};
       half ^= 1;
     }
   }
-  for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out);
-  for (int64_t t = 0; t < tiles; ++t) {
-    if (u1 == units) store_rows16(out + t * kRows * kPanel, t * kRows, pi, y, N, bias);
-    else park_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
-  }
+  for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out, o);
 }
 
 // Rows [0, M) against a panel, K's superblocks [u0, u1) (of 256 values; u1 * 256 >= K: the
-// last range). A 32-value format's panel takes all of K with the first range.
+// last range). A 32-value format's panel takes all of K with the first range. The tile config
+// for KIND is loaded (run_panels_amx).
 template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
                              int64_t u0, int64_t u1, float* y, int64_t N, const float* bias) {
   constexpr KindInfo ki = kKinds[KIND];
-  // K-quants: 16 x 64 tiles throughout (panel_amx_k); the 32-value formats: a group's tiles.
-  static const TileConfig config = loop_config(ki.unit == 256 ? 0 : ki.group);
   const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
-  load_config(config);
   if constexpr (ki.unit == 256) {
     panel_amx_k<KIND>(data, pi, x, whole, u0, u1, y, N, bias);
   } else if (u0 == 0) {
@@ -393,7 +415,6 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
     if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
     for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }
-  asm volatile("tilerelease" ::: "memory");
   if (whole == M || u1 * 256 < x.K) return;
   // The last rows: the VNNI loop on the rows from `whole` (the same arithmetic per row), all of
   // K, once (with the last range).
@@ -401,6 +422,14 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
   const Acts rest{x.q + whole * x.K,       x.d + whole * ld32,    x.s16 + whole * 2 * ld32,
                   x.s32 + whole * ld32,    x.xs32 + whole * ld32, x.K};
   run_panel_vnni(data, pi, rest, M - whole, y + whole * N, N, bias);
+}
+
+// The tile config a format's loop runs on: K-quants 16 x 64 tiles throughout (panel_amx_k), the
+// 32-value formats a group's tiles.
+template <int KIND>
+const TileConfig& kind_config() {
+  static const TileConfig config = loop_config(kKinds[KIND].unit == 256 ? 0 : kKinds[KIND].group);
+  return config;
 }
 
 // Asks Linux once for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
@@ -412,11 +441,25 @@ bool tiles_permitted() {
 
 }  // namespace
 
-void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
-                   int64_t u0, int64_t u1, float* y, int64_t N, const float* bias) {
-  with_kind(pi.kind, [&](auto kind) {
-    panel_amx<decltype(kind)::value>(data, pi, x, M, u0, u1, y, N, bias);
-  });
+// NOTE: one ldtilecfg a task, not one a panel: it waits for the tile unit to drain (a 1B-shaped
+// Q4_K 8192 x 2048 at 224 rows, one thread: 6 % of the loop's samples on it, a panel at a time).
+// Released at the end, so the pool's idle threads hold no tile state (and another library's
+// tile code on this thread loads its own config).
+void run_panels_amx(const uint8_t* base, const PanelInfo* panels, int64_t p0, int64_t p1,
+                    const Acts& x, int64_t M, int64_t u0, int64_t u1, float* y, int64_t N,
+                    const float* bias) {
+  const TileConfig* loaded = nullptr;
+  for (int64_t p = p0; p < p1; ++p) {
+    const PanelInfo& pi = panels[p];
+    with_kind(pi.kind, [&](auto kind) {
+      constexpr int KIND = decltype(kind)::value;
+      const TileConfig& config = kind_config<KIND>();
+      if (loaded != &config) load_config(config);
+      loaded = &config;
+      panel_amx<KIND>(base + pi.offset, pi, x, M, u0, u1, y, N, bias);
+    });
+  }
+  if (loaded) asm volatile("tilerelease" ::: "memory");
 }
 
 bool cpu_has_amx() {
@@ -450,9 +493,11 @@ FT_TARGET_AMX void amx_chains(int64_t iters) {
 
 #else
 
-void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, int64_t,
-                   int64_t, float* y, int64_t N, const float* bias) {
-  panel_portable(data, pi, x, M, y, N, bias);
+void run_panels_amx(const uint8_t* base, const PanelInfo* panels, int64_t p0, int64_t p1,
+                    const Acts& x, int64_t M, int64_t, int64_t, float* y, int64_t N,
+                    const float* bias) {
+  for (int64_t p = p0; p < p1; ++p)
+    panel_portable(base + panels[p].offset, panels[p], x, M, y, N, bias);
 }
 bool cpu_has_amx() { return false; }
 void amx_chains(int64_t) {}

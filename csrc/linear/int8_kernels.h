@@ -102,13 +102,8 @@ FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo&
   }
 }
 
-// A range of K's sums for rows [m0, m0 + mr) into y as they are (no bias: the next range goes on
-// from them), and back into acc [mr][16] (zeros past the panel's outputs).
-FT_INLINE void park_rows(const float* acc, int mr, int64_t m0, const PanelInfo& pi, float* y,
-                         int64_t N) {
-  for (int m = 0; m < mr; ++m)
-    std::memcpy(y + (m0 + m) * N + pi.n0, acc + m * kPanel, sizeof(float) * (pi.n1 - pi.n0));
-}
+// Rows [m0, m0 + mr) of the sums that the range of K before left in y (as they are, no bias),
+// back into acc [mr][16] (zeros past the panel's outputs).
 FT_INLINE void resume_rows(float* acc, int mr, int64_t m0, const PanelInfo& pi, const float* y,
                            int64_t N) {
   for (int m = 0; m < mr; ++m) {
@@ -133,13 +128,15 @@ int32_t avx2_int8_chains(int64_t iters);
 // True when the CPU has AVX512-VNNI (and BW, VL).
 bool cpu_has_vnni();
 
-// The AMX loop (int8_amx.cpp): rows [0, M) against a panel, 16 rows a tile product (tdpbsud)
-// and the VNNI loop's steps after the integer sums (int8_vnni.h), so the same bits; the rows past
-// the last whole 16 take the VNNI loop. A K-quant panel in ranges of K: superblocks [u0, u1) of
-// 256 values, in order, each range's sums left in y for the next (u1 * 256 >= K: the last range,
-// which adds the bias); other formats take all of K with the range from u0 = 0.
-void run_panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
-                   int64_t u0, int64_t u1, float* y, int64_t N, const float* bias);
+// The AMX loop (int8_amx.cpp): rows [0, M) against panels [p0, p1) (at base + offset), 16 rows a
+// tile product (tdpbsud) and the VNNI loop's steps after the integer sums (int8_vnni.h), so the
+// same bits; the rows past the last whole 16 take the VNNI loop. A K-quant panel in ranges of K:
+// superblocks [u0, u1) of 256 values, in order, each range's sums left in y for the next
+// (u1 * 256 >= K: the last range, which adds the bias); other formats take all of K with the
+// range from u0 = 0.
+void run_panels_amx(const uint8_t* base, const PanelInfo* panels, int64_t p0, int64_t p1,
+                    const Acts& x, int64_t M, int64_t u0, int64_t u1, float* y, int64_t N,
+                    const float* bias);
 // True when the CPU has AMX-INT8 and Linux lets this process use its tiles (asked once).
 bool cpu_has_amx();
 // Register tile products (tdpbssd on 16 x 64 tiles), `iters` rounds of 4 (int8_peak_gops).

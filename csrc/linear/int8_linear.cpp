@@ -329,13 +329,12 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const Acts acts = store.view();
   float* yp = y.data_ptr<float>();
   const auto run = [&](int64_t p0, int64_t p1, int64_t u0, int64_t u1) {
+#if FT_HAS_ISA_VARIANTS
+    if (amx) return run_panels_amx(mat.base, mat.panels, p0, p1, acts, M, u0, u1, yp, mat.N, b);
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       const PanelInfo& pi = mat.panels[p];
 #if FT_HAS_ISA_VARIANTS
-      if (amx) {
-        run_panel_amx(mat.base + pi.offset, pi, acts, M, u0, u1, yp, mat.N, b);
-        continue;
-      }
       if (vnni) {
         run_panel_vnni(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
         continue;
