@@ -184,15 +184,20 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
 }
 
 // A K-quant group's codes times its integer scales, as tile operands. A product code * sc fits
-// 16 bits (Q4_K / Q5_K: 0..1953; Q6_K: codes 0..63, sc -128..127), not 8: its low byte (unsigned)
-// goes to lo, its high byte (signed) to hi, and codes . x times sc = (lo . x) + 256 (hi . x), the
-// same int32 as the VNNI loop's add_scaled. Per 64 codes: two vpmaddubsw (even and odd bytes
-// against the output's sc) and two byte merges, once a call for every row.
+// 16 bits (Q4_K / Q5_K: 0..1953; Q6_K: (codes - c) * sc, -4064..4096), not 8: its low byte
+// (unsigned) goes to lo, its high byte (signed) to hi, and codes . x times sc = (lo . x) + 256
+// (hi . x), the same int32 as the VNNI loop's add_scaled (Q6_K: less c * sc times x's sums, the
+// offset that the VNNI loop's step takes off). Per 64 codes: two vpmaddubsw (even and odd bytes
+// against the output's sc), Q6_K two vpsubw, and two byte merges, once a call for every row.
+// NOTE: Q6_K's offset in the codes, not in the step: the step's 8 vpdpwssd a row (c * sc . x's
+// sums of 16) go: a 1B-shaped Q6_K 2048 x 8192 at 224 rows 0.65x / 0.70x the time (two threads
+// / one); an 8B-shaped 4096 x 14336 0.75x of the loop before the y stores above, both together.
 // Group j of the superblock at unit goes to lo / hi + j * group * 16 (G / 4 rows of 64 bytes, row
 // r: codes 4r..4r+3 of each output), so the superblock's 256 values are 4 tiles of 16 rows at
 // lo / hi + c * 1024.
 template <int KIND>
-FT_TARGET_AMX FT_INLINE void widen_group(const uint8_t* unit, int j, uint8_t* lo, uint8_t* hi) {
+FT_TARGET_AMX FT_INLINE void widen_group(const uint8_t* unit, int j, int32_t c, uint8_t* lo,
+                                         uint8_t* hi) {
   constexpr KindInfo ki = kKinds[KIND];
   constexpr int ROWS = ki.group / 4;
   const __m512i low4 = _mm512_set1_epi8(15), low_byte = _mm512_set1_epi16(0x00FF);
@@ -216,10 +221,24 @@ FT_TARGET_AMX FT_INLINE void widen_group(const uint8_t* unit, int j, uint8_t* lo
       0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + sc_offset(KIND) + 16 * j)));
   const __m512i even = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
   const __m512i odd = _mm512_slli_epi32(even, 8);
+  // Q6_K: c * sc (its sc signed) in both int16 of the output's lane
+  __m512i offset = _mm512_setzero_si512();
+  if constexpr (ki.scales == kK6) {
+    const __m512i cs = _mm512_mullo_epi32(
+        _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                               unit + sc_offset(KIND) + 16 * j))),
+        _mm512_set1_epi32(c));
+    offset = _mm512_or_si512(_mm512_and_si512(cs, _mm512_set1_epi32(0xFFFF)),
+                             _mm512_slli_epi32(cs, 16));
+  }
   lo += j * ki.group * 16;
   hi += j * ki.group * 16;
   for (int t = 0; t < ROWS; ++t) {
-    const __m512i pe = _mm512_maddubs_epi16(v[t], even), po = _mm512_maddubs_epi16(v[t], odd);
+    __m512i pe = _mm512_maddubs_epi16(v[t], even), po = _mm512_maddubs_epi16(v[t], odd);
+    if constexpr (ki.scales == kK6) {
+      pe = _mm512_sub_epi16(pe, offset);
+      po = _mm512_sub_epi16(po, offset);
+    }
     // 0xCA: a ? b : c, bit by bit (a = the low byte of each 16-bit lane)
     _mm512_store_si512(lo + 64 * t,
                        _mm512_ternarylogic_epi32(low_byte, pe, _mm512_slli_epi16(po, 8), 0xCA));
@@ -275,7 +294,7 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
   for (int m = 0; m < MR; ++m)
     I[m] = _mm512_add_epi32(_mm512_load_si512(lo + m * kPanel),
                             _mm512_slli_epi32(_mm512_load_si512(hi + m * kPanel), 8));
-  superblock_step<MR, KIND>(unit, c, x, m0, u, I, out);
+  superblock_step<MR, KIND, true>(unit, c, x, m0, u, I, out);
 }
 
 // A K-quant panel's steps still to do: superblock u's, for RT row tiles from row m0, their sums
@@ -320,6 +339,7 @@ FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, 
 // each, from `group` on, into lo / hi (unit: nullptr after the last superblock).
 struct NextWidening {
   const uint8_t* unit;
+  int32_t c;
   int per_chunk, group;
   uint8_t *lo, *hi;
 };
@@ -341,7 +361,7 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
     chunk_products<RT>(lo + c * 1024, hi + c * 1024, a + c * 1024, next);
     if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out, o);
     for (int g = 0; widening.unit && g < widening.per_chunk && widening.group < PER; ++g)
-      widen_group<KIND>(widening.unit, widening.group++, widening.lo, widening.hi);
+      widen_group<KIND>(widening.unit, widening.group++, widening.c, widening.lo, widening.hi);
   }
   store_c<RT>(sums);
 }
@@ -374,14 +394,15 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   for (int64_t t = 0; u0 > 0 && t < tiles; ++t)
     resume_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
   for (int j = 0; j < PER; ++j)
-    widen_group<KIND>(data + u0 * unit_bytes(KIND), j, planes[u0 % 2][0], planes[u0 % 2][1]);
+    widen_group<KIND>(data + u0 * unit_bytes(KIND), j, pi.c, planes[u0 % 2][0],
+                      planes[u0 % 2][1]);
   const PanelOut o{pi, y, N, bias, u1 == units};
   Pending pending;
   int half = 0;
   for (int64_t u = u0; u < u1; ++u) {
     const uint8_t *lo = planes[u % 2][0], *hi = planes[u % 2][1];
-    NextWidening widening{u + 1 < u1 ? data + (u + 1) * unit_bytes(KIND) : nullptr, per_chunk,
-                          0, planes[(u + 1) % 2][0], planes[(u + 1) % 2][1]};
+    NextWidening widening{u + 1 < u1 ? data + (u + 1) * unit_bytes(KIND) : nullptr, pi.c,
+                          per_chunk, 0, planes[(u + 1) % 2][0], planes[(u + 1) % 2][1]};
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t m0 = 2 * kRows * job;
       const int rt = 2 * job + 1 < tiles ? 2 : 1;

@@ -113,8 +113,9 @@ FT_TARGET_VNNI FT_INLINE void add_scaled(const uint8_t* unit, int j, const __m51
 // A K-quant superblock's fp32 step for rows [m0, m0 + MR), superblock u at unit, after its groups'
 // integer sum I[m] = sum_g sc[g] * (codes . x) (no offset): the second integer sum (Q4_K / Q5_K
 // the mins times x's sums of 32; Q6_K c times its scales times x's sums of 16, the offset), then
-// acc_out [MR][16] (L1) += the superblock's fp32 terms.
-template <int MR, int KIND>
+// acc_out [MR][16] (L1) += the superblock's fp32 terms. OFFSET_IN_I: Q6_K's I[m] already holds
+// sum_g sc[g] * ((codes - c) . x) (the AMX loop's scaled codes), the same int32 as I - S.
+template <int MR, int KIND, bool OFFSET_IN_I = false>
 FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, const Acts& x,
                                               int64_t m0, int64_t u, __m512i (&I)[MR],
                                               float* acc_out) {
@@ -124,8 +125,9 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
   const uint8_t* sc = unit + sc_offset(KIND);
   __m512i S[MR];
   for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
+  constexpr bool second_sum = k4 || !OFFSET_IN_I;
 #pragma GCC unroll 16
-  for (int p = 0; p < PER / 2; ++p) {
+  for (int p = 0; second_sum && p < PER / 2; ++p) {
     __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
     // Q6_K: c * sc in the pairs (32 x [-128, 127] fits int16), once a superblock, not a
     // vpmulld (two uops) a row.
@@ -141,7 +143,7 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
-    if constexpr (!k4) I[m] = _mm512_sub_epi32(I[m], S[m]);
+    if constexpr (!k4 && !OFFSET_IN_I) I[m] = _mm512_sub_epi32(I[m], S[m]);
     const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
     __m512 acc = _mm512_add_ps(
         _mm512_loadu_ps(acc_out + m * kPanel),
