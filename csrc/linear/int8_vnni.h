@@ -123,6 +123,10 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
   constexpr bool k4 = kKinds[KIND].scales == kK4;
   const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
   const uint8_t* sc = unit + sc_offset(KIND);
+  // x's rows at m0 (locals: a vector store may alias x's fields, so these are not read again)
+  const int16_t* xs = k4 ? x.s32 + m0 * ld32 + u * 8 : x.s16 + m0 * ld16 + u * 16;
+  const int64_t xs_ld = k4 ? ld32 : ld16;
+  const float* xd = x.d + m0 * ld32 + u * 8;
   __m512i S[MR];
   for (int m = 0; m < MR; ++m) S[m] = _mm512_setzero_si512();
   constexpr bool second_sum = k4 || !OFFSET_IN_I;
@@ -134,15 +138,14 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
     if constexpr (!k4) pairs = _mm512_mullo_epi16(pairs, _mm512_set1_epi16(int16_t(c)));
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
-      S[m] = dot2w(S[m], pairs, k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
-                                   : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p);
+      S[m] = dot2w(S[m], pairs, xs + m * xs_ld + 2 * p);
   }
   const __m512 d = halfs16(unit);
   const __m512 nmin =
       k4 ? _mm512_xor_ps(halfs16(unit + 32), _mm512_set1_ps(-0.f)) : _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
-    const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
+    const __m512 dx = _mm512_set1_ps(xd[m * ld32]);
     if constexpr (!k4 && !OFFSET_IN_I) I[m] = _mm512_sub_epi32(I[m], S[m]);
     const __m512 t = no_contract512(_mm512_mul_ps(d, dx));
     __m512 acc = _mm512_add_ps(
