@@ -294,7 +294,9 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
   for (int m = 0; m < MR; ++m)
     I[m] = _mm512_add_epi32(_mm512_load_si512(lo + m * kPanel),
                             _mm512_slli_epi32(_mm512_load_si512(hi + m * kPanel), 8));
-  superblock_step<MR, KIND, true>(unit, c, x, m0, u, I, out);
+  const int64_t units = x.K / 256;
+  const PackedRowsX rows{x.sd + ((m0 / kRows * units + u) * kRows + m0 % kRows) * kSdRowBytes};
+  superblock_step<MR, KIND, true>(unit, c, rows, I, out);
 }
 
 // A K-quant panel's steps still to do: superblock u's, for RT row tiles from row m0, their sums

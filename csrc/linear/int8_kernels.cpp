@@ -291,7 +291,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
       group_dots<MR, KIND, TILED>(codes, x, m0, u * 256 + j * G, P);
       add_scaled<MR, KIND>(unit, j, P, I);
     }
-    superblock_step<MR, KIND>(unit, c, x, m0, u, I, acc_out);
+    superblock_step<MR, KIND>(unit, c, RowsX(x, m0, u, kKinds[KIND].scales == kK4), I, acc_out);
   }
 }
 

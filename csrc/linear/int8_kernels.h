@@ -31,7 +31,14 @@ struct Acts {
   // load of 1 KB, not 16 rows K bytes apart): [M / 16][K / 64][16][64] (nullptr where that loop
   // does not read it).
   const int8_t* qa = nullptr;
+  // x's sums of 32 and d again for the AMX K-quant loop's steps, a tile of 16 rows and a
+  // superblock at a time: [M / 16][K / 256][16] of (8 sums of 32 as int16, then d as a float),
+  // 32 bytes a row, so that a step's rows are one address apart by constants (nullptr where
+  // that loop does not read it).
+  const uint8_t* sd = nullptr;
 };
+
+constexpr int kSdRowBytes = 32;  // Acts::sd: a row's 8 sums (16 bytes), its d, padding
 
 constexpr int kTileRows = 12;  // rows a tile of the VNNI K-quant loop (12 vpdpbusd chains)
 

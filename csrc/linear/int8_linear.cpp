@@ -84,12 +84,13 @@ bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
 
 struct ActStore {
-  at::Tensor q, d, s16, s32, xs32, qt, qa;
+  at::Tensor q, d, s16, s32, xs32, qt, qa, sd;
   Acts view() const {
     return {q.data_ptr<int8_t>(),    d.data_ptr<float>(), s16.data_ptr<int16_t>(),
             s32.data_ptr<int16_t>(), xs32.data_ptr<float>(), q.size(1),
             qt.defined() ? qt.data_ptr<int32_t>() : nullptr,
-            qa.defined() ? qa.data_ptr<int8_t>() : nullptr};
+            qa.defined() ? qa.data_ptr<int8_t>() : nullptr,
+            sd.defined() ? sd.data_ptr<uint8_t>() : nullptr};
   }
 };
 
@@ -114,15 +115,29 @@ void tile_rows(ActStore& s) {
 // one or two L1 sets: a 1B-shaped Q4_K 2048 x 8192 at 224 rows took 1.13-1.16x the time of the
 // copy (8192 x 2048: 0.97x, level). The 32-value formats' loop reads q in place: there the copy
 // cost more than it saved (SmolLM2's Q4_1 1536 x 576 at 224 rows: 1.10x the time, one thread).
+// With it, the steps' sums of 32 and d (Acts::sd).
 void amx_rows(ActStore& s) {
-  const int64_t K = s.q.size(1), tiles = s.q.size(0) / 16, chunks = K / 64;
+  const int64_t K = s.q.size(1), tiles = s.q.size(0) / 16, chunks = K / 64, units = K / 256;
+  const int64_t ld32 = K / kXBlock;
   s.qa = at::empty({tiles * K * 16}, s.q.options());
+  s.sd = at::empty({tiles * units * 16 * kSdRowBytes}, s.q.options().dtype(at::kByte));
   const int8_t* q = s.q.data_ptr<int8_t>();
+  const int16_t* s32 = s.s32.data_ptr<int16_t>();
+  const float* d = s.d.data_ptr<float>();
   int8_t* qa = s.qa.data_ptr<int8_t>();
+  uint8_t* sd = s.sd.data_ptr<uint8_t>();
   TaskPool::get().run(tiles, tiles < 8 ? 1 : at::get_num_threads(), [&](int64_t t) {
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t r = 0; r < 16; ++r)
         std::memcpy(qa + ((t * chunks + c) * 16 + r) * 64, q + (t * 16 + r) * K + 64 * c, 64);
+    for (int64_t u = 0; u < units; ++u)
+      for (int64_t r = 0; r < 16; ++r) {
+        uint8_t* row = sd + ((t * units + u) * 16 + r) * kSdRowBytes;
+        const int64_t m = t * 16 + r;
+        std::memcpy(row, s32 + m * ld32 + u * 8, 16);
+        std::memcpy(row + 16, d + m * ld32 + u * 8, sizeof(float));
+        std::memset(row + 20, 0, kSdRowBytes - 20);
+      }
   });
 }
 
