@@ -140,6 +140,7 @@ struct PanelOut {
   int64_t N;
   const float* bias;
   bool final;
+  int64_t M;  // y's rows (the AMX loop's last tile may run past them)
 };
 
 // Rows [m0, m0 + R) of a panel's sums (acc [R][16]) into y, one masked store a row. NOTE: GCC
@@ -151,7 +152,7 @@ FT_TARGET_AMX FT_INLINE void write_rows(const float* acc, int64_t m0, const Pane
   const __mmask16 lanes = static_cast<__mmask16>((1u << (o.pi.n1 - n0)) - 1);
   const __m512 b = o.bias ? _mm512_maskz_loadu_ps(lanes, o.bias + n0) : _mm512_setzero_ps();
   float* row = o.y + m0 * o.N + n0;
-  for (int m = 0; m < R; ++m, row += o.N) {
+  for (int m = 0; m < R && m0 + m < o.M; ++m, row += o.N) {
     const __m512 v = _mm512_load_ps(acc + m * kPanel);
     _mm512_mask_storeu_ps(row, lanes, o.final ? _mm512_add_ps(v, b) : v);
   }
@@ -180,7 +181,7 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
   }
   alignas(64) float out[kRows * kPanel];
   for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, acc[m]);
-  write_rows<kRows>(out, m0, {pi, y, N, bias, true});
+  write_rows<kRows>(out, m0, {pi, y, N, bias, true, m0 + kRows});
 }
 
 // A K-quant group's codes times its integer scales, as tile operands. A product code * sc fits
@@ -328,7 +329,7 @@ FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, int32_t pc, c
                           p.sums[r][1] + mr * kPanel, out + m * kPanel);
   if (p.last) write_rows<PART>(out + m * kPanel, m, o);
   if (p.fetch_y)
-    for (int i = 0; i < PART; ++i) _m_prefetchw(o.y + (m + i) * o.N + o.pi.n0);
+    for (int i = 0; i < PART && m + i < o.M; ++i) _m_prefetchw(o.y + (m + i) * o.N + o.pi.n0);
 }
 template <int KIND>
 FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, const Acts& x,
@@ -388,8 +389,8 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
 // 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
 template <int KIND>
 FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const Acts& x,
-                               int64_t whole, int64_t u0, int64_t u1, float* y, int64_t N,
-                               const float* bias) {
+                               int64_t whole, int64_t M, int64_t u0, int64_t u1, float* y,
+                               int64_t N, const float* bias) {
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t units = x.K / 256, tiles = whole / kRows, jobs = (tiles + 1) / 2;
   if (tiles == 0) return;
@@ -401,12 +402,15 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   float* out = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
   if (u0 == 0) std::fill(out, out + whole * kPanel, 0.f);
-  for (int64_t t = 0; u0 > 0 && t < tiles; ++t)
-    resume_rows(out + t * kRows * kPanel, kRows, t * kRows, pi, y, N);
+  if (u0 > 0) {  // the sums so far, from y's rows (zeros past M)
+    const int64_t rows = std::min(whole, M);
+    resume_rows(out, static_cast<int>(rows), 0, pi, y, N);
+    std::fill(out + rows * kPanel, out + whole * kPanel, 0.f);
+  }
   for (int j = 0; j < PER; ++j)
     widen_group<KIND>(data + u0 * unit_bytes(KIND), j, pi.c, planes[u0 % 2][0],
                       planes[u0 % 2][1]);
-  const PanelOut o{pi, y, N, bias, u1 == units};
+  const PanelOut o{pi, y, N, bias, u1 == units, M};
   Pending pending;
   int half = 0;
   for (int64_t u = u0; u < u1; ++u) {
@@ -441,9 +445,10 @@ template <int KIND>
 FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M,
                              int64_t u0, int64_t u1, float* y, int64_t N, const float* bias) {
   constexpr KindInfo ki = kKinds[KIND];
-  const int64_t units = x.K / ki.unit, whole = M / kRows * kRows;
+  // K-quants: the rows of x's tile copy (Acts::qa_rows), maybe one tile past M
+  const int64_t units = x.K / ki.unit, whole = ki.unit == 256 ? x.qa_rows : M / kRows * kRows;
   if constexpr (ki.unit == 256) {
-    panel_amx_k<KIND>(data, pi, x, whole, u0, u1, y, N, bias);
+    panel_amx_k<KIND>(data, pi, x, whole, M, u0, u1, y, N, bias);
   } else if (u0 == 0) {
     const size_t widened_bytes = ki.codes == kByte ? 0 : units * 512 + 64;
     thread_local std::vector<uint8_t> widened;
@@ -453,7 +458,7 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
     if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
     for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }
-  if (whole == M || u1 * 256 < x.K) return;
+  if (whole >= M || u1 * 256 < x.K) return;
   // The last rows: the VNNI loop on the rows from `whole` (the same arithmetic per row), all of
   // K, once (with the last range).
   const int64_t ld32 = x.K / kXBlock;

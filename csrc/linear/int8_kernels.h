@@ -36,6 +36,8 @@ struct Acts {
   // 32 bytes a row, so that a step's rows are one address apart by constants (nullptr where
   // that loop does not read it).
   const uint8_t* sd = nullptr;
+  // The rows that qa and sd hold: whole tiles of 16, the last one zeros past M (0: no qa).
+  int64_t qa_rows = 0;
 };
 
 constexpr int kSdRowBytes = 32;  // Acts::sd: a row's 8 sums (16 bytes), its d, padding
@@ -137,7 +139,8 @@ bool cpu_has_vnni();
 
 // The AMX loop (int8_amx.cpp): rows [0, M) against panels [p0, p1) (at base + offset), 16 rows a
 // tile product (tdpbsud) and the VNNI loop's steps after the integer sums (int8_vnni.h), so the
-// same bits; the rows past the last whole 16 take the VNNI loop. A K-quant panel in ranges of K:
+// same bits. The rows past the last whole 16: a K-quant's as a tile of its own (Acts::qa_rows),
+// the 32-value formats' through the VNNI loop. A K-quant panel in ranges of K:
 // superblocks [u0, u1) of 256 values, in order, each range's sums left in y for the next
 // (u1 * 256 >= K: the last range, which adds the bias); other formats take all of K with the
 // range from u0 = 0.

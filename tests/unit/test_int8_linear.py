@@ -392,7 +392,8 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
     """Where the CPU has AMX-INT8, steps from 32 rows up take tile products; their integer
     sums (and a K-quant's scales in integer) and fp32 steps are the VNNI loop's, so every bit
     agrees, every format, whatever the row count (whole tiles of 16, a K-quant's pairs of them
-    and one alone, and the rows after them; below 32 rows the VNNI loop), in a matrix beside a
+    and one alone, and the rows after them: a K-quant's as a tile of their own, zeros past the
+    last row; below 32 rows the VNNI loop), in a matrix beside a
     K-quant (x then quantized per 256), with a bias, on 1 or 2 threads; and both are the
     reference's bits."""
     if not ops.int8_amx_available():
