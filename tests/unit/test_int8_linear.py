@@ -420,3 +420,26 @@ def test_amx_loop_in_ranges_of_k_gives_the_same_bits(threads):
     cases.append(([("Q6_K", random_rows("Q6_K", 16, k, 60)),
                    ("Q8_0", random_rows("Q8_0", 5, k, 61))], k, None))
     assert_amx_matches_vnni(cases, (64, 71, 140), threads)
+
+
+def test_amx_loop_gives_a_non_finite_row_nan_outputs():
+    """In the AMX loop (x's tile copy and its steps' sums and scales, the last tile's rows past
+    M zeros) a row with an infinity or a NaN gives NaN outputs, as in the VNNI loop, and every
+    other row that loop's bits."""
+    if not ops.int8_amx_available():
+        pytest.skip("needs a CPU with AMX-INT8")
+    k = 512
+    weight, _ = int8_matrix([("Q4_K", random_rows("Q4_K", 20, k, 70))], k)
+    x = varied_rows(37, k)
+    x[3, 5], x[20, 300], x[36, 0] = float("inf"), float("nan"), float("-inf")
+    before = ops.set_int8_amx(True)
+    try:
+        amx = ops.panel_linear(x, weight)
+        ops.set_int8_amx(False)
+        vnni = ops.panel_linear(x, weight)
+    finally:
+        ops.set_int8_amx(before)
+    bad = [3, 20, 36]
+    good = [i for i in range(37) if i not in bad]
+    assert torch.isnan(amx[bad]).all() and torch.isnan(vnni[bad]).all()
+    assert torch.equal(amx[good], vnni[good]) and torch.isfinite(amx[good]).all()
