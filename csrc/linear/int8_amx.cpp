@@ -318,7 +318,7 @@ struct Pending {
 // rows after its last step: those stores (a line of y each, 7 MB of lines for a 1B-shaped
 // 8192 x 2048 at 224 rows) missed the cache together and filled the store buffer while the tiles
 // waited. Spread and fetched: 0.89x / 0.91x the time (two threads / one) for that matrix, 0.95x
-// for 2048 x 8192 (spread alone: slower, 1.07x; streaming stores: level with fetching, but y
+// for 2048 x 8192 (spread alone: slower, 1.08-1.11x; streaming stores: level with fetching, but y
 // then leaves the cache that the next op reads it from).
 template <int KIND, int PART>
 FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, int32_t pc, const Acts& x,
