@@ -111,16 +111,6 @@ FT_INLINE void store_rows(const float* acc, int mr, int64_t m0, const PanelInfo&
   }
 }
 
-// Rows [m0, m0 + mr) of the sums that the range of K before left in y (as they are, no bias),
-// back into acc [mr][16] (zeros past the panel's outputs).
-FT_INLINE void resume_rows(float* acc, int mr, int64_t m0, const PanelInfo& pi, const float* y,
-                           int64_t N) {
-  for (int m = 0; m < mr; ++m) {
-    std::fill(acc + m * kPanel, acc + (m + 1) * kPanel, 0.f);
-    std::memcpy(acc + m * kPanel, y + (m0 + m) * N + pi.n0, sizeof(float) * (pi.n1 - pi.n0));
-  }
-}
-
 // y[m, n0..n1) (+ bias) for rows [0, M) of x against the panel at data.
 void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias);
