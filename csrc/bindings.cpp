@@ -129,6 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_quantize_rows", &freetoken::int8_quantize_rows,
         "x [M, K] fp32 -> (int8 codes [M, K], scales [M, K/32]): the int8 mode's activations, "
         "per block of 32 or 256", py::arg("x"), py::arg("block") = 32);
+  m.def("int8_silu_linear", &freetoken::int8_silu_linear,
+        "gate_up [M, 2K] fp32, an int8 matrix [N, K] -> (silu(gate) * up) W^T (+ bias) [M, N]: "
+        "int8_linear of silu_mul's result, the activation never stored whole",
+        py::arg("gate_up"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int8_vnni_available", &freetoken::int8_vnni_available,
         "True when this CPU runs the int8 VNNI kernel");
   m.def("int8_amx_available", &freetoken::int8_amx_available,

@@ -21,6 +21,7 @@
 
 #include "attention/paged_attention_cpu.h"
 #include "elementwise/elementwise_cpu.h"
+#include "linear/int8_linear.h"
 #include "linear/linear_cpu.h"
 
 namespace freetoken {
@@ -98,12 +99,26 @@ bool DecoderLayerCpu::serves(int64_t rows) const {
   return true;
 }
 
-at::Tensor DecoderLayerCpu::project(int i, const at::Tensor& x) const {
-  const at::Tensor* w = form(i, x.size(0));
-  TORCH_CHECK_VALUE(w != nullptr, "DecoderLayer: no panel form of projection ", i, " for ",
-                    x.size(0), " rows (check serves() first)");
+const at::Tensor& DecoderLayerCpu::checked_form(int i, int64_t rows) const {
+  const at::Tensor* w = form(i, rows);
+  TORCH_CHECK_VALUE(w != nullptr, "DecoderLayer: no panel form of projection ", i, " for ", rows,
+                    " rows (check serves() first)");
+  return *w;
+}
+
+c10::optional<at::Tensor> DecoderLayerCpu::bias(int i) const {
   const at::Tensor& b = proj_[i].bias;
-  return panel_linear_cpu(x, *w, b.defined() ? c10::optional<at::Tensor>(b) : c10::nullopt);
+  return b.defined() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+}
+
+at::Tensor DecoderLayerCpu::project(int i, const at::Tensor& x) const {
+  return panel_linear_cpu(x, checked_form(i, x.size(0)), bias(i));
+}
+
+at::Tensor DecoderLayerCpu::down_project(const at::Tensor& gate_up) const {
+  const at::Tensor& w = checked_form(3, gate_up.size(0));
+  if (is_int8_matrix(w)) return int8_silu_linear(gate_up, w, bias(3));
+  return project(3, silu_mul_cpu(gate_up, inter_));
 }
 
 std::tuple<at::Tensor, at::Tensor> DecoderLayerCpu::forward(
@@ -128,8 +143,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayerCpu::forward(
                                               slot_mapping);  // [T, nh, hd]
   const at::Tensor o = project(1, attn.view({T, q_size}));
   h = add_rms_norm_cpu(o, stream, post_norm_, eps_);
-  const at::Tensor act = silu_mul_cpu(project(2, h), inter_);
-  return {project(3, act), stream};
+  return {down_project(project(2, h)), stream};
 }
 
 c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(

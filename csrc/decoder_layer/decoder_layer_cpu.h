@@ -37,7 +37,12 @@ class DecoderLayerCpu {
     at::Tensor main, few_rows, bias;  // undefined: absent
   };
   const at::Tensor* form(int i, int64_t rows) const;
+  const at::Tensor& checked_form(int i, int64_t rows) const;  // form, or an error
+  c10::optional<at::Tensor> bias(int i) const;
   at::Tensor project(int i, const at::Tensor& x) const;
+  // The MLP's down projection of silu(gate) * up (an int8 matrix takes gate_up whole:
+  // int8_silu_linear).
+  at::Tensor down_project(const at::Tensor& gate_up) const;
 
   at::Tensor input_norm_, post_norm_;
   Projection proj_[4];

@@ -313,18 +313,20 @@ constexpr int64_t kTasksPerThread = 2;
 
 // V: a struct with static avx512 / avx2 / base (const Args&, begin, end) over rows.
 template <typename V>
-void run_rows(const typename V::Args& a, int64_t rows, int64_t row_elements) {
-  void (*fn)(const typename V::Args&, int64_t, int64_t) = &V::base;
+auto isa_variant() -> void (*)(const typename V::Args&, int64_t, int64_t) {
   switch (current_isa()) {  // cpuid-checked; follows set_cpu_isa
     case Isa::kAvx512:
-      fn = &V::avx512;
-      break;
+      return &V::avx512;
     case Isa::kAvx2:
-      fn = &V::avx2;
-      break;
+      return &V::avx2;
     default:
-      break;
+      return &V::base;
   }
+}
+
+template <typename V>
+void run_rows(const typename V::Args& a, int64_t rows, int64_t row_elements) {
+  const auto fn = isa_variant<V>();
   const int nthreads = rows * row_elements < kSplitElements ? 1 : at::get_num_threads();
   const int64_t n = std::min<int64_t>(rows, nthreads * kTasksPerThread);
   if (n <= 1) return fn(a, 0, rows);
@@ -439,6 +441,12 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up, int64_t intermediate_size) {
   else
     run_rows<Variants<SiluMul<float>>>(a, T, 2 * I);
   return out;
+}
+
+void silu_mul_rows_fp32(const float* gate_up, int64_t stride, int64_t I, int64_t t0, int64_t t1,
+                        float* out) {
+  const SiluArgs a{gate_up + t0 * stride, stride, out, I};
+  isa_variant<Variants<SiluMul<float>>>()(a, 0, t1 - t0);
 }
 
 void rope_cpu_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,

@@ -16,6 +16,11 @@ at::Tensor add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
                             const at::Tensor& weight, double eps);
 // gate_up [T, 2I] (rows contiguous) -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up, int64_t intermediate_size);
+// Rows [t0, t1) of silu_mul_cpu's fp32 result, on the calling thread, into out [t1 - t0, I]:
+// gate_up's rows at a row stride of `stride` floats. The same bits (the same ISA variant), for an
+// op that takes the activation a row at a time (the int8 down projection, int8_linear.h).
+void silu_mul_rows_fp32(const float* gate_up, int64_t stride, int64_t I, int64_t t0, int64_t t1,
+                        float* out);
 // In place: x <- x * cos + rotate_half(x) * sin on every head of q [T, nh, hd] and k [T, kvh, hd]
 // (stride(2) == 1, stride(1) == hd, any stride(0): views into one qkv output); cos, sin [T, hd] or
 // [T, 1, hd] in q's dtype.

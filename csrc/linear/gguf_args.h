@@ -29,6 +29,15 @@ inline int64_t check_rows(const at::Tensor& base, const at::Tensor& row_offsets,
   return N;
 }
 
+// bias [N] fp32 or none -> its pointer (null without one).
+inline const float* check_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                        bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                    op, ": bias must be a contiguous fp32 CPU tensor [", N, "]");
+  return bias->data_ptr<float>();
+}
+
 // x [M, K] fp32 contiguous, bias [N] fp32 or none -> the bias pointer (null without one).
 inline const float* check_call(const at::Tensor& x, int64_t K, int64_t N,
                                const c10::optional<at::Tensor>& bias, const char* op) {
@@ -36,11 +45,7 @@ inline const float* check_call(const at::Tensor& x, int64_t K, int64_t N,
                         x.is_contiguous(),
                     op, ": x must be a contiguous 2-D fp32 CPU tensor [M, K]");
   TORCH_CHECK_VALUE(x.size(1) == K, op, ": x has K = ", x.size(1), ", the weight has K = ", K);
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                        bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
-                    op, ": bias must be a contiguous fp32 CPU tensor [", N, "]");
-  return bias->data_ptr<float>();
+  return check_bias(bias, N, op);
 }
 
 // True when `w` is a 1-D uint8 CPU tensor of at least header_bytes that starts with `magic`.

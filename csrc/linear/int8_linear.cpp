@@ -51,6 +51,7 @@
 
 #include "common/isa.h"
 #include "common/task_pool.h"
+#include "elementwise/elementwise_cpu.h"
 #include "linear/gguf_args.h"
 #include "linear/int8_kernels.h"
 #include "linear/int8_layout.h"
@@ -153,30 +154,127 @@ void amx_rows(ActStore& s) {
   });
 }
 
+// The activation store for M rows of K values.
+ActStore empty_acts(int64_t M, int64_t K, const at::TensorOptions& f32) {
+  const int64_t B32 = K / kXBlock;
+  return {at::empty({M, K}, f32.dtype(at::kChar)), at::empty({M, B32}, f32),
+          at::empty({M, 2 * B32}, f32.dtype(at::kShort)), at::empty({M, B32}, f32.dtype(at::kShort)),
+          at::empty({M, B32}, f32)};
+}
+
+ActsOut acts_out(const ActStore& s) {
+  return {s.q.data_ptr<int8_t>(), s.d.data_ptr<float>(), s.s16.data_ptr<int16_t>(),
+          s.s32.data_ptr<int16_t>(), s.xs32.data_ptr<float>()};
+}
+
+// Blocks [b0, b1) of B values of x (x + b * B) into out, in the loop of this CPU's ISA.
+void quantize_range(const float* x, int B, const ActsOut& out, int64_t b0, int64_t b1) {
+#if FT_HAS_ISA_VARIANTS
+  if (use_vnni()) return quantize_blocks_vnni(x, B, out, b0, b1);
+  if (use_avx2()) return quantize_blocks_avx2(x, B, out, b0, b1);
+#endif
+  for (int64_t b = b0; b < b1; ++b) quantize_block(x, B, out, b);
+}
+
 // x [M, K] quantized per block of B values (32 or 256).
 ActStore quantize(const at::Tensor& x, int B) {
   const int64_t M = x.size(0), K = x.size(1), B32 = K / kXBlock;
-  const auto i16 = x.options().dtype(at::kShort);
-  ActStore s{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, B32}, x.options()),
-             at::empty({M, 2 * B32}, i16), at::empty({M, B32}, i16),
-             at::empty({M, B32}, x.options())};
-  const ActsOut out{s.q.data_ptr<int8_t>(), s.d.data_ptr<float>(), s.s16.data_ptr<int16_t>(),
-                    s.s32.data_ptr<int16_t>(), s.xs32.data_ptr<float>()};
+  ActStore s = empty_acts(M, K, x.options());
+  const ActsOut out = acts_out(s);
   const float* xp = x.data_ptr<float>();
   // Worth the pool from a few thousand blocks of 32 (a prefill step).
   const int64_t nblocks = M * K / B;
   const int nthreads = M * B32 < 4096 ? 1 : at::get_num_threads();
   const int64_t n = nthreads == 1 ? 1 : 4 * nthreads;
-  const bool vnni = use_vnni(), avx2 = use_avx2();
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
-    const int64_t b0 = nblocks * t / n, b1 = nblocks * (t + 1) / n;
-#if FT_HAS_ISA_VARIANTS
-    if (vnni) return quantize_blocks_vnni(xp, B, out, b0, b1);
-    if (avx2) return quantize_blocks_avx2(xp, B, out, b0, b1);
-#endif
-    for (int64_t b = b0; b < b1; ++b) quantize_block(xp, B, out, b);
+    quantize_range(xp, B, out, nblocks * t / n, nblocks * (t + 1) / n);
   });
   return s;
+}
+
+// silu(gate) * up quantized as quantize() would quantize silu_mul_cpu's result (the same bits),
+// gate | up = gate_up [M, 2K]: each row's activation made into a thread's scratch and quantized
+// from there, never stored whole.
+// NOTE: silu_mul's [M, K] written out and read back: the 1B-shaped ffn_down (Q4_K 2048 x 8192,
+// 224 rows, two threads) took 6.7-7.0 ms after silu_mul, 6.4 ms so (silu_mul 0.47 ms alone).
+ActStore quantize_silu(const at::Tensor& gate_up, int64_t K, int B) {
+  const int64_t M = gate_up.size(0), B32 = K / kXBlock;
+  ActStore s = empty_acts(M, K, gate_up.options());
+  const ActsOut out = acts_out(s);
+  const float* gu = gate_up.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  const int nthreads = M * B32 < 4096 ? 1 : at::get_num_threads();
+  const int64_t n = std::min<int64_t>(M, nthreads == 1 ? 1 : 4 * nthreads);
+  TaskPool::get().run(n, nthreads, [&](int64_t t) {
+    thread_local std::vector<float> act;
+    if (act.size() < static_cast<size_t>(K)) act.resize(K);
+    for (int64_t m = M * t / n; m < M * (t + 1) / n; ++m) {
+      silu_mul_rows_fp32(gu, stride, K, m, m + 1, act.data());
+      const ActsOut row{out.q + m * K, out.d + m * B32, out.s16 + m * 2 * B32, out.s32 + m * B32,
+                        out.xs32 + m * B32};
+      quantize_range(act.data(), B, row, 0, K / B);
+    }
+  });
+  return s;
+}
+
+// y [M, N] = the quantized rows in `store` times the matrix (+ bias): the loops, threads and
+// ranges of K; `weight` is the matrix's tensor (its size sets the task count).
+at::Tensor multiply(ActStore& store, const Matrix& mat, const at::Tensor& weight,
+                    const float* b, int64_t M, const at::TensorOptions& f32) {
+  at::Tensor y = at::empty({M, mat.N}, f32);
+  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = M >= kAmxRows && use_amx();
+  // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
+  // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
+  // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
+  // And from 9 rows where K bytes put every row's line in one or two L1 sets (K = 2048, 8192):
+  // 12 rows in place evicted each other (1B ffn_down, 12 rows: 1.21x the time of K = 7936).
+  const bool rows_share_sets = std::gcd<int64_t>(mat.K / 64, 64) >= 32;
+  if (vnni && !amx && mat.xblock == 256 &&
+      (M > kTileRows || (M > 8 && rows_share_sets)))
+    tile_rows(store);
+  if (amx && mat.xblock == 256) amx_rows(store);
+  const Acts acts = store.view();
+  float* yp = y.data_ptr<float>();
+  const auto run = [&](int64_t p0, int64_t p1, int64_t u0, int64_t u1) {
+#if FT_HAS_ISA_VARIANTS
+    if (amx) return run_panels_amx(mat.base, mat.panels, p0, p1, acts, M, u0, u1, yp, mat.N, b);
+#endif
+    for (int64_t p = p0; p < p1; ++p) {
+      const PanelInfo& pi = mat.panels[p];
+#if FT_HAS_ISA_VARIANTS
+      if (vnni) {
+        run_panel_vnni(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        continue;
+      }
+      if (avx2) {
+        run_panel_avx2(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        continue;
+      }
+#endif
+      panel_portable(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+    }
+  };
+  // One thread's time, roughly: ~1 byte a weight at ~20 GB/s, or ~300 G int8 products/s.
+  const double est_ns = std::max(static_cast<double>(mat.N) * mat.K / 20.0,
+                                 static_cast<double>(M) * mat.N * mat.K / 300.0);
+  const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
+  const int64_t n =
+      std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
+  // The AMX loop takes a K-quant matrix in ranges of K whose x (Acts::qa) stays in L2 while every
+  // panel reads it again (kAmxRangeBytes of it a range), each range's sums parked in y.
+  const int64_t superblocks = (mat.K + 255) / 256;
+  const int64_t ranges =
+      amx && mat.xblock == 256
+          ? std::clamp<int64_t>((M * mat.K + kAmxRangeBytes - 1) / kAmxRangeBytes, 1, superblocks)
+          : 1;
+  for (int64_t r = 0; r < ranges; ++r) {
+    const int64_t u0 = superblocks * r / ranges, u1 = superblocks * (r + 1) / ranges;
+    TaskPool::get().run(n, nthreads, [&](int64_t t) {
+      run(mat.P * t / n, mat.P * (t + 1) / n, u0, u1);
+    });
+  }
+  return y;
 }
 
 }  // namespace
@@ -339,61 +437,25 @@ at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
   const Matrix mat = read_matrix(weight, "int8_linear");
   const float* b = gguf_args::check_call(x, mat.K, mat.N, bias, "int8_linear");
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, mat.N}, x.options());
-  if (M == 0) return y;
+  if (M == 0) return at::empty({0, mat.N}, x.options());
   ActStore store = quantize(x, mat.xblock);
-  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = M >= kAmxRows && use_amx();
-  // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
-  // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
-  // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
-  // And from 9 rows where K bytes put every row's line in one or two L1 sets (K = 2048, 8192):
-  // 12 rows in place evicted each other (1B ffn_down, 12 rows: 1.21x the time of K = 7936).
-  const bool rows_share_sets = std::gcd<int64_t>(mat.K / 64, 64) >= 32;
-  if (vnni && !amx && mat.xblock == 256 &&
-      (M > kTileRows || (M > 8 && rows_share_sets)))
-    tile_rows(store);
-  if (amx && mat.xblock == 256) amx_rows(store);
-  const Acts acts = store.view();
-  float* yp = y.data_ptr<float>();
-  const auto run = [&](int64_t p0, int64_t p1, int64_t u0, int64_t u1) {
-#if FT_HAS_ISA_VARIANTS
-    if (amx) return run_panels_amx(mat.base, mat.panels, p0, p1, acts, M, u0, u1, yp, mat.N, b);
-#endif
-    for (int64_t p = p0; p < p1; ++p) {
-      const PanelInfo& pi = mat.panels[p];
-#if FT_HAS_ISA_VARIANTS
-      if (vnni) {
-        run_panel_vnni(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
-        continue;
-      }
-      if (avx2) {
-        run_panel_avx2(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
-        continue;
-      }
-#endif
-      panel_portable(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
-    }
-  };
-  // One thread's time, roughly: ~1 byte a weight at ~20 GB/s, or ~300 G int8 products/s.
-  const double est_ns = std::max(static_cast<double>(mat.N) * mat.K / 20.0,
-                                 static_cast<double>(M) * mat.N * mat.K / 300.0);
-  const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
-  const int64_t n =
-      std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
-  // The AMX loop takes a K-quant matrix in ranges of K whose x (Acts::qa) stays in L2 while every
-  // panel reads it again (kAmxRangeBytes of it a range), each range's sums parked in y.
-  const int64_t superblocks = (mat.K + 255) / 256;
-  const int64_t ranges =
-      amx && mat.xblock == 256
-          ? std::clamp<int64_t>((M * mat.K + kAmxRangeBytes - 1) / kAmxRangeBytes, 1, superblocks)
-          : 1;
-  for (int64_t r = 0; r < ranges; ++r) {
-    const int64_t u0 = superblocks * r / ranges, u1 = superblocks * (r + 1) / ranges;
-    TaskPool::get().run(n, nthreads, [&](int64_t t) {
-      run(mat.P * t / n, mat.P * (t + 1) / n, u0, u1);
-    });
-  }
-  return y;
+  return multiply(store, mat, weight, b, M, x.options());
+}
+
+at::Tensor int8_silu_linear(const at::Tensor& gate_up, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias) {
+  const Matrix mat = read_matrix(weight, "int8_silu_linear");
+  TORCH_CHECK_VALUE(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat &&
+                        gate_up.dim() == 2 && (gate_up.stride(1) == 1 || gate_up.size(1) <= 1),
+                    "int8_silu_linear: gate_up must be a 2-D fp32 CPU tensor [M, 2K] with "
+                    "contiguous rows");
+  TORCH_CHECK_VALUE(gate_up.size(1) == 2 * mat.K, "int8_silu_linear: gate_up has ",
+                    gate_up.size(1), " columns, the weight has K = ", mat.K, " (2K columns)");
+  const float* b = gguf_args::check_bias(bias, mat.N, "int8_silu_linear");
+  const int64_t M = gate_up.size(0);
+  if (M == 0) return at::empty({0, mat.N}, gate_up.options());
+  ActStore store = quantize_silu(gate_up, mat.K, mat.xblock);
+  return multiply(store, mat, weight, b, M, gate_up.options());
 }
 
 bool int8_amx_available() { return use_vnni() && cpu_has_amx(); }

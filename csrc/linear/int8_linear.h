@@ -49,6 +49,12 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x, int64
 at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,
                               const c10::optional<at::Tensor>& bias);
 
+// y = (silu(gate) * up) @ W^T (+ bias), gate | up = gate_up [M, 2K] fp32 (rows contiguous): the
+// bits of int8_matrix_linear(silu_mul_cpu(gate_up, K), ...) without the activation stored whole
+// (the int8 mode's down projection).
+at::Tensor int8_silu_linear(const at::Tensor& gate_up, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias);
+
 // True when this CPU runs the VNNI kernel (else the portable one: the same results).
 bool int8_vnni_available();
 

@@ -38,7 +38,7 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "panel_shape", "panel_linear", "DecoderLayer", "gguf_dequantize",
               "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
               "int8_matrix_unpack", "int8_matrix_superblocks", "int8_quantize_rows",
-              "int8_vnni_available", "int8_peak_gops", "int8_bits_per_weight",
+              "int8_silu_linear", "int8_vnni_available", "int8_peak_gops", "int8_bits_per_weight",
               "int8_amx_available", "set_int8_amx", "int8_bound_loop")
 
 try:

@@ -9,6 +9,7 @@ a group at a time, or for a K-quant a superblock at a time after its groups' int
     int8_matrix_unpack(weight) -> (u, a, b, c): each weight is a * (u - c) + b
     int8_matrix_superblocks(weight) -> (d, dmin, sc, mn): a K-quant's own numbers
     int8_quantize_rows(x, block=32) -> (q int8 [M, K], d fp32 [M, K / 32])
+    int8_silu_linear(gate_up, weight, bias=None) -> panel_linear(silu_mul(gate_up), weight, bias)
     int8_vnni_available() -> bool;  int8_peak_gops(iters, threads) -> the int8 bound (benchmarks)
     int8_bound_loop() -> the instructions that bound times
 
@@ -74,6 +75,15 @@ def int8_quantize_rows(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, 
     per block, d = amax / 127 and q = rint(x * (127 / amax)), as the int8 linear quantizes its
     input (a block of 256's d repeated for each of its 32s)."""
     return _C.int8_quantize_rows(x.contiguous(), int(block))
+
+
+def int8_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [M, 2K] fp32, an int8 matrix [N, K] -> (silu(gate) * up) W^T (+ bias) [M, N]: the
+    bits of panel_linear(silu_mul(gate_up, K), weight, bias), the activation made a row at a time
+    into the quantization's input instead of stored whole (the int8 decoder layer's down
+    projection)."""
+    return _C.int8_silu_linear(gate_up, weight, bias)
 
 
 def int8_vnni_available() -> bool:

@@ -86,6 +86,23 @@ def test_smollm2_int8_is_close_to_exact_and_batch_invariant(smollm2_path, ops_co
     assert agree >= 0.75, float(agree)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k_m", "Q8_0"])
+def test_int8_fused_layers_are_the_python_paths_bits(tmp_path, fmt, ops_config):
+    """The fused layer's int8 down projection takes gate_up whole (ops.int8_silu_linear: the
+    activation made a row at a time into its quantization); the logits are the Python path's
+    (silu_mul, then the linear) bit for bit: a prefill of 44 rows (the AMX loop where the CPU
+    has it), decode steps, a mixed step."""
+    from test_decoder_layer import both_paths, prefill_then_decode
+
+    path = tmp_path / f"tiny.{fmt}.gguf"
+    write(str(path), "tiny", fmt, seed=4)
+    ops_config(linear="gguf", compute="int8")
+    loaded = load_model(path, progress=False, load_tokenizer=False)
+    assert packed_form(loaded.model.layers[0].mlp.down_proj.weight) == "int8"
+    on, off = both_paths(loaded.model, prefill_then_decode(4), num_blocks=24)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
 def test_int8_refuses_what_it_cannot_compute(tmp_path, tiny_checkpoint, ops_config):
     ops_config(compute="int8")
     with pytest.raises(ValueError, match="compute int8"):

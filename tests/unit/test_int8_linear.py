@@ -443,3 +443,43 @@ def test_amx_loop_gives_a_non_finite_row_nan_outputs():
     good = [i for i in range(37) if i not in bad]
     assert torch.isnan(amx[bad]).all() and torch.isnan(vnni[bad]).all()
     assert torch.equal(amx[good], vnni[good]) and torch.isfinite(amx[good]).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_linear_is_silu_mul_then_the_linear_bit_for_bit(isa, threads):
+    """ops.int8_silu_linear (the int8 decoder layer's down projection: silu(gate) * up made a row
+    at a time into the quantization's input) gives panel_linear(silu_mul(gate_up)) bit for bit:
+    every format, a K-quant beside a 32-value one, row counts on both sides of the AMX loop's 32
+    and past a tile, a bias, gate_up as a view with a row stride past 2K, the AMX loop on and
+    off, non-finite gates (NaN rows); and refuses a gate_up of the wrong width."""
+    cases = [([(t, random_rows(t, 21, k_for(t, 4 if block_of(t) < 256 else 2), seed=80 + i))],
+              k_for(t, 4 if block_of(t) < 256 else 2)) for i, t in enumerate(INT8_TYPES)]
+    cases.append(([("Q6_K", random_rows("Q6_K", 16, 512, 90)),
+                   ("Q8_0", random_rows("Q8_0", 5, 512, 91))], 512))
+    amx_before, threads_before = ops.set_int8_amx(True), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for parts, k in cases:
+            weight, _ = int8_matrix(parts, k)
+            n = sum(rows.shape[0] for _, rows in parts)
+            wide = torch.randn(50, 2 * k + 8) * 3
+            wide[7, 3] = float("nan")  # a gate
+            wide[9, k + 5] = float("inf")  # an up
+            gate_up, bias = wide[:, :2 * k], torch.randn(n)
+            for amx in (True, False):
+                ops.set_int8_amx(amx)
+                for m in (1, 8, 31, 33, 50):
+                    want = ops.panel_linear(ops.silu_mul(gate_up[:m], k), weight, bias)
+                    got = ops.int8_silu_linear(gate_up[:m], weight, bias)
+                    finite = [i for i in range(m) if i not in (7, 9)]
+                    assert torch.equal(got[finite], want[finite]), (parts[0][0], amx, m)
+                    if m > 9:
+                        assert torch.isnan(got[[7, 9]]).all() and torch.isnan(want[[7, 9]]).all()
+    finally:
+        ops.set_int8_amx(amx_before)
+        torch.set_num_threads(threads_before)
+    weight, _ = int8_matrix([("Q8_0", random_rows("Q8_0", 16, 64, 92))], 64)
+    with pytest.raises(ValueError, match="K = 64"):
+        ops.int8_silu_linear(torch.randn(2, 64), weight)
+    with pytest.raises(ValueError, match="bias"):
+        ops.int8_silu_linear(torch.randn(2, 128), weight, torch.randn(3))
