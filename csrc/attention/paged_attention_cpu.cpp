@@ -133,6 +133,43 @@ FT_INLINE void row_pointers(const Problem& pr, const Task& t, const Scratch& w, 
   }
 }
 
+// Q^T [hd, cw] of task t, scaled: column c is the query of the task's column min(c, nc - 1)
+// (padding columns repeat the last real one; their lanes are unused). L x L blocks at a time by
+// register transposes where cw and hd are multiples of L, else element by element (the same
+// products: one multiply each).
+// NOTE: element by element, the stores went down Q^T's rows a line apart: a fifth of the
+// classify tasks' own time (1B shapes: 8 x 28 queries, 32 heads, 8 kv heads), outside QK and PV.
+template <int L>
+FT_INLINE void pack_qt(const Problem& pr, const Task& t, const Scratch& w, int64_t cw,
+                       int64_t nc, int64_t q0) {
+  using vf = typename Vec<L>::f;
+  const int64_t hd = pr.hd, G = pr.group;
+  const auto row = [&](int64_t c) {
+    const int64_t gc = t.col0 + std::min(c, nc - 1);
+    return pr.q + (q0 + gc / G) * pr.q_row + (t.kv_head * G + gc % G) * hd;
+  };
+  if (cw % L != 0 || hd % L != 0) {
+    for (int64_t c = 0; c < cw; ++c) {
+      const float* qr = row(c);
+      for (int64_t d = 0; d < hd; ++d) w.qt[d * cw + c] = qr[d] * pr.scale;
+    }
+    return;
+  }
+  for (int64_t c0 = 0; c0 < cw; c0 += L) {
+    const float* r[L];
+#pragma GCC unroll 16
+    for (int i = 0; i < L; ++i) r[i] = row(c0 + i);
+    for (int64_t d0 = 0; d0 < hd; d0 += L) {
+      vf v[L];
+#pragma GCC unroll 16
+      for (int i = 0; i < L; ++i) v[i] = loadu<L>(r[i] + d0) * pr.scale;
+      vec::transpose<L>(v);
+#pragma GCC unroll 16
+      for (int i = 0; i < L; ++i) storeu<L>(w.qt + (d0 + i) * cw + c0, v[i]);
+    }
+  }
+}
+
 // One task, with one ISA's kernels K.
 // A task of one query token and at most 8 columns (decode: the G heads of one kv head): run_task's
 // sums in run_task's order (the same bits), vectorized across keys instead of across the few
@@ -150,12 +187,7 @@ FT_INLINE void run_decode(const Problem& pr, const Task& t, const Scratch& w) {
   const int64_t hd = pr.hd, G = pr.group, nc = t.col1 - t.col0;
   const int64_t q0 = pr.qsl[t.seq], token = t.col0 / G;
   const int64_t pos = pr.seq_lens[t.seq] - (pr.qsl[t.seq + 1] - q0) + token;
-  // Q^T [hd, cw], scaled, as run_task packs it.
-  for (int64_t c = 0; c < cw; ++c) {
-    const int64_t gc = t.col0 + std::min(c, nc - 1);
-    const float* qr = pr.q + (q0 + token) * pr.q_row + (t.kv_head * G + gc % G) * hd;
-    for (int64_t d = 0; d < hd; ++d) w.qt[d * cw + c] = qr[d] * pr.scale;
-  }
+  pack_qt<L>(pr, t, w, cw, nc, q0);
   for (int64_t c = 0; c < nc; ++c) {
     w.m[c] = kNegInf;
     w.l[c] = 0.f;
@@ -218,12 +250,7 @@ FT_INLINE void run_task(const Problem& pr, const Task& t, const Scratch& w) {
   // Columns are in token order, so column c's query position is non-decreasing in c.
   const auto pos_of = [&](int64_t c) { return first_pos + (t.col0 + c) / G; };
 
-  // Q^T [hd, cw], scaled; padding columns repeat the last real one (their lanes are unused).
-  for (int64_t c = 0; c < cw; ++c) {
-    const int64_t gc = t.col0 + std::min(c, nc - 1);
-    const float* qr = pr.q + (q0 + gc / G) * pr.q_row + (t.kv_head * G + gc % G) * hd;
-    for (int64_t d = 0; d < hd; ++d) w.qt[d * cw + c] = qr[d] * pr.scale;
-  }
+  pack_qt<LC>(pr, t, w, cw, nc, q0);
   for (int64_t c = 0; c < cw; ++c) {
     w.m[c] = kNegInf;
     w.l[c] = 0.f;
