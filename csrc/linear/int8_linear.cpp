@@ -203,7 +203,9 @@ ActStore quantize_silu(const at::Tensor& gate_up, int64_t K, int B) {
   const ActsOut out = acts_out(s);
   const float* gu = gate_up.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
-  const int nthreads = M * B32 < 4096 ? 1 : at::get_num_threads();
+  // silu_mul_cpu's split (elementwise_cpu.cpp: from 2^15 elements of gate_up): a decode step's 8
+  // rows of 1B-shaped gate_up go to both threads, as they did there.
+  const int nthreads = M * 2 * K < (int64_t{1} << 15) ? 1 : at::get_num_threads();
   const int64_t n = std::min<int64_t>(M, nthreads == 1 ? 1 : 4 * nthreads);
   TaskPool::get().run(n, nthreads, [&](int64_t t) {
     thread_local std::vector<float> act;
