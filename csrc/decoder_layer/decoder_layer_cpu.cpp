@@ -5,6 +5,8 @@
 //   q, k, v = split(h Wqkv^T + b);  RoPE on q, k;  K/V written at slot_mapping;  paged attention
 //   h = RMSNorm(residual += attn Wo^T + b)
 //   x' = (silu(gate) * up) Wdown^T + b,   gate | up = h Wgate_up^T + b
+//   (an int8 Wdown takes gate_up whole: int8_silu_linear, silu_mul's product made a row at a
+//   time into its quantization; the same bits)
 //
 // Why: called from Python the same kernels are nine dispatches a layer, each through nn.Module,
 // freetoken.ops and pybind11, plus the views between them: on SmolLM2 ~1.5-2 ms of a 17-18 ms
