@@ -157,9 +157,9 @@ void amx_rows(ActStore& s) {
 // The activation store for M rows of K values.
 ActStore empty_acts(int64_t M, int64_t K, const at::TensorOptions& f32) {
   const int64_t B32 = K / kXBlock;
+  const auto i16 = f32.dtype(at::kShort);
   return {at::empty({M, K}, f32.dtype(at::kChar)), at::empty({M, B32}, f32),
-          at::empty({M, 2 * B32}, f32.dtype(at::kShort)), at::empty({M, B32}, f32.dtype(at::kShort)),
-          at::empty({M, B32}, f32)};
+          at::empty({M, 2 * B32}, i16), at::empty({M, B32}, i16), at::empty({M, B32}, f32)};
 }
 
 ActsOut acts_out(const ActStore& s) {
