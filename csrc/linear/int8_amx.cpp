@@ -416,11 +416,11 @@ FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const A
   if (acc.size() < static_cast<size_t>(whole * kPanel + 16)) acc.resize(whole * kPanel + 16);
   float* out = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
-  start_rows(out, whole, u0 > 0, {pi, y, N, bias, false, M});
+  const PanelOut o{pi, y, N, bias, u1 == units, M};
+  start_rows(out, whole, u0 > 0, o);
   for (int j = 0; j < PER; ++j)
     widen_group<KIND>(data + u0 * unit_bytes(KIND), j, pi.c, planes[u0 % 2][0],
                       planes[u0 % 2][1]);
-  const PanelOut o{pi, y, N, bias, u1 == units, M};
   Pending pending;
   int half = 0;
   for (int64_t u = u0; u < u1; ++u) {
