@@ -17,11 +17,15 @@ pool_poll_us: how long the kernels' thread pool polls between calls before it sl
 0: sleep at once; csrc/common/task_pool.h). Nothing here reads the environment: the CLI (or a
 script's flags) decides and calls configure, before the model loads (packing follows `linear`).
 
+Loading the extension also sets glibc's malloc to keep what a kernel call frees for the next call
+(KEEPS_FREED_MEMORY; see _keep_freed_memory).
+
 Not the ops themselves: those are the sibling modules, each with its torch twin.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -54,6 +58,26 @@ if _C is not None:
         raise ImportError(f"freetoken._C is stale (built from older sources: no "
                           f"{', '.join(_missing)}); rebuild it: "
                           f"pip install --no-build-isolation -e .")
+
+
+def _keep_freed_memory() -> bool:
+    """Tells glibc's malloc to keep the memory that the kernels free between calls (an mmap
+    threshold set: 32 MiB, its ceiling; trimming past 1 GiB of free top only). False where the
+    C library has no mallopt (not glibc).
+    NOTE: a call's buffers (an int8 linear's copies of x and its y: ~6 MB for a 1B ffn_down at 224
+    rows) are freed and taken again every call. glibc's defaults let them go back to the kernel
+    (the mmap threshold moves with what was freed, the heap's top is trimmed past 2x it), and in
+    ~1 process of 3 every call then faulted its pages in again: 1564 page faults a call, that
+    kernel 1.25x its time (10.9 -> 13.6 ms, one thread), for the life of the process."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+KEEPS_FREED_MEMORY = _keep_freed_memory() if _C is not None else False
 
 BACKENDS = ("auto", "ext", "torch")
 LINEAR_MODES = ("auto", "gguf", "panels", "onednn", "torch")
@@ -178,7 +202,8 @@ def _log_choice(name: str, device_type: str) -> None:
         log.info("freetoken.ops: %s tensors use the torch twin (freetoken._C: %s)",
                  device_type, IMPORT_ERROR)
     elif name == "ext-cpu":
-        log.info("freetoken.ops: cpu tensors use freetoken._C (%s kernel)", _C.cpu_isa())
+        log.info("freetoken.ops: cpu tensors use freetoken._C (%s kernel; malloc keeps freed "
+                 "memory: %s)", _C.cpu_isa(), "yes" if KEEPS_FREED_MEMORY else "no")
     else:
         log.info("freetoken.ops: %s tensors use %s (backend=%s)", device_type, name,
                  _config.backend)

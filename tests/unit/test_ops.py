@@ -10,6 +10,10 @@ One file for the top-k and sampling ops: their shared fp64 reference and fixture
 from __future__ import annotations
 
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -504,6 +508,69 @@ def test_configure_sets_every_switch():
     finally:
         ops.configure()
     assert ops.config() == ops.OpsConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# the process: the kernels' thread pool and the memory their calls free
+
+
+def run_fresh(code: str) -> str:
+    """`code`'s stdout, run in a fresh interpreter (a process's first pool call, its own heap)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(not HAS_EXT, reason="extension not built")
+def test_a_processs_first_pool_call_runs_on_both_threads():
+    """The pool's helper, spawned by a process's first 2-thread call, takes a task of that call:
+    each of int8_peak_gops' two tasks (one ~0.2 s loop each) runs on its own thread, so the
+    helper's CPU time is about the caller's task (it was 0: it took the call for one seen)."""
+    if ops.int8_bound_loop() is None:
+        pytest.skip("the portable int8 loop: no bound loop to time")
+    code = """
+import os, time
+import freetoken.ops as ops
+ops.set_int8_amx(False)  # the VNNI or AVX2 loop: a known time a round
+iters, t0 = 2_000_000, time.perf_counter()
+ops.int8_peak_gops(iters, 1)
+one = time.perf_counter() - t0
+iters = int(iters * 0.2 / one)  # ~0.2 s a task
+def ticks():  # CPU time of each thread but this one
+    return {t: sum(int(v) for v in open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1]
+                   .split()[11:13]) for t in os.listdir("/proc/self/task")
+            if int(t) != os.getpid()}
+before = ticks()
+ops.int8_peak_gops(iters, 2)
+after = ticks()
+print(max(v - before.get(t, 0) for t, v in after.items()) / os.sysconf("SC_CLK_TCK"))
+"""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc: no per-thread CPU times")
+    assert float(run_fresh(code)) >= 0.08
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc policy")
+def test_memory_a_call_frees_stays_in_the_process():
+    """With freetoken.ops loaded, buffers of the kernels' sizes freed after a call are taken
+    again without page faults: glibc's defaults gave 2-4 MB of them back to the kernel every
+    round (an int8 linear's x copies and y: 1564 faults a call, 1.25x its time)."""
+    code = """
+import resource
+import torch
+import freetoken.ops
+def call():  # a step's buffers: allocated, written, freed together
+    bufs = [torch.ones(1 << 21) for _ in range(3)]
+    del bufs
+for _ in range(4):
+    call()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    call()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 8)
+"""
+    assert float(run_fresh(code)) < 64  # a round whose 24 MB came back faulted would be 6144
 
 
 # ---------------------------------------------------------------------------------------------
