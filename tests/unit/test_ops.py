@@ -550,11 +550,13 @@ print(spent.pop(os.getpid()), max(spent.values()))
     assert caller > 0 and helper >= 0.5 * caller, (caller, helper)
 
 
+@pytest.mark.skipif(not HAS_EXT, reason="extension not built: no malloc policy is set")
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc policy")
 def test_memory_a_call_frees_stays_in_the_process():
     """With freetoken.ops loaded, buffers of the kernels' sizes freed after a call are taken
-    again without page faults: glibc's defaults gave 2-4 MB of them back to the kernel every
-    round (an int8 linear's x copies and y: 1564 faults a call, 1.25x its time)."""
+    again without page faults: glibc's defaults gave 2-7 MB of them back to the kernel every
+    round (512-1792 faults; an int8 linear's x copies and y: 1564 faults a call, 1.25x its
+    time)."""
     code = """
 import resource
 import torch
