@@ -10,7 +10,7 @@
 //
 // 32-value formats (rows_amx): one tile product a group (tdpbsud: 16 rows of x by the group's
 // codes), its sums stored and stepped in fp32 (the group's scale is an fp16). K-quants
-// (panel_amx_k): a group's integer scale goes into its codes once a call (widen_group, as two
+// (panels_amx_k): a group's integer scale goes into its codes once a call (widen_group, as two
 // byte planes), so a superblock's 256 values are 4 x 2 full tile products into sums that stay
 // in the tiles, and the vector pipes see one store a superblock instead of one a group and no
 // vpmulld (two uops on these cores).
@@ -135,7 +135,7 @@ FT_TARGET_AMX FT_INLINE void stored_sums(int32_t* sums, __m512i (&P)[kRows]) {
 // bias (or + 0, as store_rows in int8_kernels.h); a range before it leaves its sums there as they
 // are, for the next range (start_rows).
 struct PanelOut {
-  const PanelInfo& pi;
+  PanelInfo pi;
   float* y;
   int64_t N;
   const float* bias;
@@ -324,6 +324,8 @@ struct Pending {
   int rt = 0;
   bool last = false, fetch_y = false;
   const int32_t (*sums)[2][kRows * kPanel] = nullptr;
+  float* out = nullptr;  // its panel's accumulators (row m at out + m * kPanel), and y
+  const PanelOut* o = nullptr;
 };
 
 // Piece c (of 4) of a pending superblock's steps: a quarter of its rows (PART = 4 RT), into out
@@ -336,21 +338,21 @@ struct Pending {
 // for 2048 x 8192 (spread alone: slower, 1.08-1.11x; streaming stores: level with fetching, but y
 // then leaves the cache that the next op reads it from).
 template <int KIND, int PART>
-FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, int32_t pc, const Acts& x,
-                                          float* out, const PanelOut& o) {
+FT_TARGET_AMX FT_INLINE void pending_part(const Pending& p, int c, const Acts& x) {
   const int r = c * PART / kRows, mr = c * PART % kRows;
   const int64_t m = p.m0 + kRows * r + mr;
-  scaled_step<PART, KIND>(p.unit, pc, x, m, p.u, p.sums[r][0] + mr * kPanel,
+  const PanelOut& o = *p.o;
+  float* out = p.out;
+  scaled_step<PART, KIND>(p.unit, o.pi.c, x, m, p.u, p.sums[r][0] + mr * kPanel,
                           p.sums[r][1] + mr * kPanel, out + m * kPanel);
   if (p.last) write_rows<PART>(out + m * kPanel, m, o);
   if (p.fetch_y)
     for (int i = 0; i < PART && m + i < o.M; ++i) _m_prefetchw(o.y + (m + i) * o.N + o.pi.n0);
 }
 template <int KIND>
-FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, int32_t pc, const Acts& x,
-                                           float* out, const PanelOut& o) {
-  if (p.rt == 2) pending_part<KIND, 8>(p, c, pc, x, out, o);
-  else pending_part<KIND, 4>(p, c, pc, x, out, o);
+FT_TARGET_AMX FT_INLINE void pending_piece(const Pending& p, int c, const Acts& x) {
+  if (p.rt == 2) pending_part<KIND, 8>(p, c, x);
+  else pending_part<KIND, 4>(p, c, x);
 }
 
 // The next superblock's widening, spread over the current one's chunks: `per_chunk` groups after
@@ -374,7 +376,6 @@ struct NextWidening {
 template <int KIND, int RT>
 FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, const Acts& x,
                                           int64_t m0, int64_t u, const Pending& pending,
-                                          int32_t pc, float* out, const PanelOut& o,
                                           NextWidening& widening,
                                           int32_t (*sums)[2][kRows * kPanel]) {
   constexpr int PER = 256 / kKinds[KIND].group;
@@ -383,7 +384,7 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
   zero_c<RT>();
   for (int c = 0; c < 4; ++c) {
     chunk_products<RT>(lo + c * 1024, hi + c * 1024, a + c * 1024, next);
-    if (pending.unit) pending_piece<KIND>(pending, c, pc, x, out, o);
+    if (pending.unit) pending_piece<KIND>(pending, c, x);
     for (int g = 0; widening.unit && g < widening.per_chunk && widening.group < PER; ++g)
       widen_group<KIND>(widening.unit, widening.group++, widening.c, widening.lo, widening.hi);
     for (int l = 0; l < 2 && widening.fetch < widening.end; ++l, widening.fetch += 64)
@@ -392,60 +393,82 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
   store_c<RT>(sums);
 }
 
-// A K-quant panel's whole row tiles [0, whole), superblocks [u0, u1), into y (from u0 > 0 the
-// accumulators start from y, where the range before left them). Superblock by superblock (its
-// scaled codes widened once, 8 KB that stay in L1 for every row), pairs of row tiles (and one
-// alone last) take its tile products 64 values at a time; between those chunks the vector pipes
-// do the previous pair's steps (its sums from the other half of sums) and widen the next
-// superblock.
+// NP K-quant panels of one format (pis[0..NP), NP = 1 or 2), their whole row tiles [0, whole),
+// superblocks [u0, u1), into y (from u0 > 0 the accumulators start from y, where the range
+// before left them). Superblock by superblock (each panel's scaled codes widened once, 8 KB that
+// stay in L1 for every row), pairs of row tiles (and one alone last) take its tile products 64
+// values at a time, panel after panel; between those chunks the vector pipes do the previous
+// job's steps (its sums from the other half of sums, its panel's accumulators) and widen the
+// panel's next superblock.
+// NOTE: two panels a pass, so that the second reads the row tiles' x (Acts::qa) from L1 where
+// the first brought it from L2. Against one at a time, 224 rows (scripts/ab_kernel.py, two
+// threads / one): 1B-shaped Q4_K 16384 x 2048 0.94x / 0.95x the time, Q6_K 2048 x 8192 0.94x /
+// 0.94x, Q4_K 2048 x 8192 0.99x / 0.98x, 3072 x 2048 level; served 1B int8 classify 1.04x the
+// requests a second (scripts/ab_serve.py, 4 reps). Widening the next superblock in the last jobs
+// rather than the first: 1.04-1.09x the time (its bursts of vector work stall the tiles).
+
 // NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
 // for the previous chunk's products, and the work between them keeps the vector pipes busy
 // meanwhile. A pair's products for a superblock, then its steps whole: 1.07x the time for a
 // 1B-shaped Q4_K 8192 x 2048 at 224 rows, 1.13x for 2048 x 8192 (one thread).
-template <int KIND>
-FT_TARGET_AMX void panel_amx_k(const uint8_t* data, const PanelInfo& pi, const Acts& x,
-                               int64_t whole, int64_t M, int64_t u0, int64_t u1, float* y,
-                               int64_t N, const float* bias) {
+template <int KIND, int NP>
+FT_TARGET_AMX void panels_amx_k(const uint8_t* base, const PanelInfo* pis, const Acts& x,
+                                int64_t whole, int64_t M, int64_t u0, int64_t u1, float* y,
+                                int64_t N, const float* bias) {
   constexpr int PER = 256 / kKinds[KIND].group;
   const int64_t units = x.K / 256, tiles = whole / kRows, jobs = (tiles + 1) / 2;
   if (tiles == 0) return;
   const int per_chunk = static_cast<int>((PER + 4 * jobs - 1) / (4 * jobs));
-  alignas(64) uint8_t planes[2][2][4096];  // superblock u's lo and hi at planes[u % 2]
+  alignas(64) uint8_t planes[NP][2][2][4096];  // panel q's superblock u: planes[q][u % 2]
   alignas(64) int32_t sums[2][2][2][kRows * kPanel];
   thread_local std::vector<float> acc;
-  if (acc.size() < static_cast<size_t>(whole * kPanel + 16)) acc.resize(whole * kPanel + 16);
-  float* out = reinterpret_cast<float*>(
+  const int64_t acc_floats = NP * whole * kPanel + 16;
+  if (acc.size() < static_cast<size_t>(acc_floats)) acc.resize(acc_floats);
+  float* out0 = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
-  const PanelOut o{pi, y, N, bias, u1 == units, M};
-  start_rows(out, whole, u0 > 0, o);
-  for (int j = 0; j < PER; ++j)
-    widen_group<KIND>(data + u0 * unit_bytes(KIND), j, pi.c, planes[u0 % 2][0],
-                      planes[u0 % 2][1]);
+  const uint8_t* data[NP];
+  float* out[NP];
+  PanelOut o[NP];
+  for (int q = 0; q < NP; ++q) {
+    data[q] = base + pis[q].offset;
+    out[q] = out0 + q * whole * kPanel;
+    o[q] = {pis[q], y, N, bias, u1 == units, M};
+    start_rows(out[q], whole, u0 > 0, o[q]);
+    for (int j = 0; j < PER; ++j)
+      widen_group<KIND>(data[q] + u0 * unit_bytes(KIND), j, pis[q].c, planes[q][u0 % 2][0],
+                        planes[q][u0 % 2][1]);
+  }
   Pending pending;
   int half = 0;
   for (int64_t u = u0; u < u1; ++u) {
-    const uint8_t *lo = planes[u % 2][0], *hi = planes[u % 2][1];
-    const uint8_t* after_next = data + (u + 2) * unit_bytes(KIND);
-    NextWidening widening{u + 1 < u1 ? data + (u + 1) * unit_bytes(KIND) : nullptr,
-                          pi.c,
-                          per_chunk,
-                          0,
-                          planes[(u + 1) % 2][0],
-                          planes[(u + 1) % 2][1],
-                          after_next,
-                          after_next + unit_bytes(KIND)};
+    NextWidening widening[NP];
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* after_next = data[q] + (u + 2) * unit_bytes(KIND);
+      widening[q] = {u + 1 < u1 ? data[q] + (u + 1) * unit_bytes(KIND) : nullptr,
+                     pis[q].c,
+                     per_chunk,
+                     0,
+                     planes[q][(u + 1) % 2][0],
+                     planes[q][(u + 1) % 2][1],
+                     after_next,
+                     after_next + unit_bytes(KIND)};
+    }
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t m0 = 2 * kRows * job;
       const int rt = 2 * job + 1 < tiles ? 2 : 1;
-      if (rt == 2)
-        products_job<KIND, 2>(lo, hi, x, m0, u, pending, pi.c, out, o, widening, sums[half]);
-      else
-        products_job<KIND, 1>(lo, hi, x, m0, u, pending, pi.c, out, o, widening, sums[half]);
-      pending = {data + u * unit_bytes(KIND), u, m0, rt, u + 1 == u1, u + 3 == u1, sums[half]};
-      half ^= 1;
+      for (int q = 0; q < NP; ++q) {
+        const uint8_t *lo = planes[q][u % 2][0], *hi = planes[q][u % 2][1];
+        if (rt == 2)
+          products_job<KIND, 2>(lo, hi, x, m0, u, pending, widening[q], sums[half]);
+        else
+          products_job<KIND, 1>(lo, hi, x, m0, u, pending, widening[q], sums[half]);
+        pending = {data[q] + u * unit_bytes(KIND), u, m0, rt, u + 1 == u1, u + 3 == u1,
+                   sums[half], out[q], &o[q]};
+        half ^= 1;
+      }
     }
   }
-  for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, pi.c, x, out, o);
+  for (int c = 0; c < 4; ++c) pending_piece<KIND>(pending, c, x);
 }
 
 // Rows [0, M) against a panel, K's superblocks [u0, u1) (of 256 values; u1 * 256 >= K: the
@@ -458,7 +481,7 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
   // K-quants: the rows of x's tile copy (Acts::qa_rows), maybe one tile past M
   const int64_t units = x.K / ki.unit, whole = ki.unit == 256 ? x.qa_rows : M / kRows * kRows;
   if constexpr (ki.unit == 256) {
-    panel_amx_k<KIND>(data, pi, x, whole, M, u0, u1, y, N, bias);
+    panels_amx_k<KIND, 1>(data - pi.offset, &pi, x, whole, M, u0, u1, y, N, bias);
   } else if (u0 == 0) {
     const size_t widened_bytes = ki.codes == kByte ? 0 : units * 512 + 64;
     thread_local std::vector<uint8_t> widened;
@@ -477,7 +500,7 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
   run_panel_vnni(data, pi, rest, M - whole, y + whole * N, N, bias);
 }
 
-// The tile config a format's loop runs on: K-quants 16 x 64 tiles throughout (panel_amx_k), the
+// The tile config a format's loop runs on: K-quants 16 x 64 tiles throughout (panels_amx_k), the
 // 32-value formats a group's tiles.
 template <int KIND>
 const TileConfig& kind_config() {
@@ -502,15 +525,24 @@ void run_panels_amx(const uint8_t* base, const PanelInfo* panels, int64_t p0, in
                     const Acts& x, int64_t M, int64_t u0, int64_t u1, float* y, int64_t N,
                     const float* bias) {
   const TileConfig* loaded = nullptr;
-  for (int64_t p = p0; p < p1; ++p) {
+  for (int64_t p = p0; p < p1;) {
     const PanelInfo& pi = panels[p];
+    int64_t step = 1;
     with_kind(pi.kind, [&](auto kind) {
       constexpr int KIND = decltype(kind)::value;
       const TileConfig& config = kind_config<KIND>();
       if (loaded != &config) load_config(config);
       loaded = &config;
+      if constexpr (kKinds[KIND].unit == 256) {  // panels two at a time (panels_amx_k)
+        if (p + 1 < p1 && panels[p + 1].kind == pi.kind) {
+          panels_amx_k<KIND, 2>(base, panels + p, x, x.qa_rows, M, u0, u1, y, N, bias);
+          step = 2;
+          return;
+        }
+      }
       panel_amx<KIND>(base + pi.offset, pi, x, M, u0, u1, y, N, bias);
     });
+    p += step;
   }
   if (loaded) asm volatile("tilerelease" ::: "memory");
 }

@@ -80,6 +80,14 @@ constexpr int64_t kAmxRows = 32;
 // cost K = 4096 1.07-1.11x. Level: 8192 x 2048 at 1024 rows (2 MB of x, two ranges), and the
 // VNNI loop in ranges (1.00-1.07x: its products, not x, hold it).
 constexpr int64_t kAmxRangeBytes = int64_t{1} << 20;
+// NOTE: the AMX loop's pool tasks by count, not by weight bytes (at most 4 a thread there): its
+// calls are compute-bound, and a thread that claims the last big task leaves the other waiting.
+// 16 a thread, against the bytes' 4, at 224 rows on two threads (medians of 5 bursts, one
+// process): 1B-shaped Q4_K 16384 x 2048 0.97x the time, 2048 x 8192 0.93x, Q6_K 2048 x 8192
+// 0.91x, 8B-shaped 4096 x 14336 0.92x, 6144 x 4096 0.94x, 28672 x 4096 0.97x, the small 3072 x
+// 2048 and 2048 x 2048 level (1.02x, 0.99x; 32 a thread: 1.04x, 1.08x). Served 1B int8 classify
+// 1.024x the requests a second (scripts/ab_serve.py, 4 reps).
+constexpr int64_t kAmxTasksPerThread = 16;
 bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 // AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
@@ -262,7 +270,8 @@ at::Tensor multiply(ActStore& store, const Matrix& mat, const at::Tensor& weight
                                  static_cast<double>(M) * mat.N * mat.K / 300.0);
   const int nthreads = est_ns < panel::kInlineNs ? 1 : at::get_num_threads();
   const int64_t n =
-      std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
+      amx ? std::min<int64_t>(nthreads == 1 ? 1 : kAmxTasksPerThread * nthreads, mat.P)
+          : std::min(panel::pool_tasks(static_cast<double>(weight.nbytes()), nthreads), mat.P);
   // The AMX loop takes a K-quant matrix in ranges of K whose x (Acts::qa) stays in L2 while every
   // panel reads it again (kAmxRangeBytes of it a range), each range's sums parked in y.
   const int64_t superblocks = (mat.K + 255) / 256;

@@ -394,7 +394,8 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
     agrees, every format, whatever the row count (whole tiles of 16, a K-quant's pairs of them
     and one alone, and the rows after them: a K-quant's as a tile of their own, zeros past the
     last row; below 32 rows the VNNI loop), in a matrix beside a
-    K-quant (x then quantized per 256), with a bias, on 1 or 2 threads; and both are the
+    K-quant (x then quantized per 256), a K-quant's panels two at a time (and one alone: an
+    odd count, a format's last), with a bias, on 1 or 2 threads; and both are the
     reference's bits."""
     if not ops.int8_amx_available():
         pytest.skip("needs a CPU with AMX-INT8")
@@ -404,6 +405,8 @@ def test_amx_and_vnni_loops_give_the_same_bits(threads):
                    ("Q8_0", random_rows("Q8_0", 21, 512, 31))], 512, None))
     for i, t in enumerate(K_TYPES):  # 5 superblocks: each one's codes widened while the last's
         cases.append(([(t, random_rows(t, 19, 1280, 40 + i))], 1280, t))  # products run
+    # 41 panels: at 2 threads the pool's 32 tasks take one or two each (a pair, or one alone)
+    cases.append(([("Q5_K", random_rows("Q5_K", 645, 512, 45))], 512, "Q5_K"))
     assert_amx_matches_vnni(cases, (16, 31, 32, 33, 35, 37, 41, 45, 47, 48, 64, 71), threads)
 
 
