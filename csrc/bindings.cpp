@@ -164,13 +164,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("residual"),
            py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
-           py::arg("slot_mapping"));
+           py::arg("slot_mapping"), py::arg("out_rows") = py::none(),
+           py::arg("out_query_start_loc") = py::none());
   m.def("decoder_stack", &freetoken::decoder_stack_forward,
         "CPU: the decoder layers in order in one call -> (out, residual), or None where a "
         "layer does not serve the step's rows",
         kNoGil, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"),
         py::arg("k_caches"), py::arg("v_caches"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("slot_mapping"));
+        py::arg("query_start_loc"), py::arg("slot_mapping"), py::arg("out_rows") = py::none(),
+        py::arg("out_query_start_loc") = py::none());
   m.def("panel_linear", &freetoken::panel_linear_cpu,
         "CPU: x [M, K] fp32 @ W^T (+ bias [N]) over packed panels -> [M, N]", kNoGil,
         py::arg("x"),

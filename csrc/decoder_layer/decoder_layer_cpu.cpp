@@ -127,8 +127,15 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayerCpu::forward(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, const at::Tensor& slot_mapping) const {
+    const at::Tensor& query_start_loc, const at::Tensor& slot_mapping,
+    const c10::optional<at::Tensor>& out_rows,
+    const c10::optional<at::Tensor>& out_query_start_loc) const {
   TORCH_CHECK_VALUE(x.dim() == 2, "DecoderLayer: x must be [T, hidden], got ", x.dim(), "-D");
+  TORCH_CHECK_VALUE(out_rows.has_value() == out_query_start_loc.has_value(),
+                    "DecoderLayer: pass out_rows and out_query_start_loc together, or neither");
+  if (out_rows.has_value())
+    TORCH_CHECK_VALUE(out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong,
+                      "DecoderLayer: out_rows must be int64 [R]");
   const int64_t T = x.size(0), q_size = nh_ * hd_, kv_size = kvh_ * hd_;
   const bool first = !residual.has_value() || !residual->defined();
   // The residual stream: x itself at layer 0 (updated in place below, as in Python).
@@ -140,6 +147,16 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayerCpu::forward(
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kvh_, hd_});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kvh_, hd_});
   rope_cpu_(q, k, cos, sin);
+  if (out_rows.has_value()) {
+    // Every row's K/V into the pools; the attention and the MLP only at out_rows.
+    const at::Tensor attn = paged_attention_cpu(q.index_select(0, *out_rows), k_cache, v_cache,
+                                                block_tables, seq_lens, *out_query_start_loc,
+                                                scale_, window_, k, v, slot_mapping);  // [R, nh, hd]
+    const int64_t R = out_rows->size(0);
+    const at::Tensor kept = stream.index_select(0, *out_rows);
+    h = add_rms_norm_cpu(project(1, attn.view({R, q_size})), kept, post_norm_, eps_);
+    return {down_project(project(2, h)), kept};
+  }
   const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
                                               query_start_loc, scale_, window_, k, v,
                                               slot_mapping);  // [T, nh, hd]
@@ -153,7 +170,8 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
     const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
     const std::vector<at::Tensor>& v_caches, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    const at::Tensor& slot_mapping) {
+    const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& out_rows,
+    const c10::optional<at::Tensor>& out_query_start_loc) {
   TORCH_CHECK_VALUE(!layers.empty() && k_caches.size() == layers.size() &&
                         v_caches.size() == layers.size(),
                     "decoder_stack: ", layers.size(), " layers, ", k_caches.size(),
@@ -163,6 +181,7 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
     TORCH_CHECK_VALUE(layer != nullptr, "decoder_stack: a layer is None");
     if (!layer->serves(x.size(0))) return c10::nullopt;
   }
+  if (out_rows.has_value() && !layers.back()->serves(out_rows->size(0))) return c10::nullopt;
   std::tuple<at::Tensor, at::Tensor> out{x, at::Tensor()};
   for (size_t i = 0; i < layers.size(); ++i) {
     const at::Tensor& residual = std::get<1>(out);
@@ -170,7 +189,9 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
                              residual.defined() ? c10::optional<at::Tensor>(residual)
                                                 : c10::nullopt,
                              cos, sin, k_caches[i], v_caches[i], block_tables, seq_lens,
-                             query_start_loc, slot_mapping);
+                             query_start_loc, slot_mapping,
+                             i + 1 == layers.size() ? out_rows : c10::nullopt,
+                             i + 1 == layers.size() ? out_query_start_loc : c10::nullopt);
   }
   return out;
 }

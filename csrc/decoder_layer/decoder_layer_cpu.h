@@ -26,11 +26,17 @@ class DecoderLayerCpu {
   // x [T, H]: the previous layer's MLP output (the embeddings at layer 0, residual None);
   // residual [T, H]: the stream before it, updated in place. -> (this layer's MLP output,
   // the residual stream). K/V of the step are written into the pools at slot_mapping.
+  // out_rows [R] (with out_query_start_loc [S + 1]): only these rows past the attention's K/V,
+  // each the last of its sequence's rows (out_query_start_loc: 0, 1, ..., R; a sequence may have
+  // none): -> ([R, H], the stream's rows out_rows). The model's last layer, where only the rows
+  // whose logits are needed go on (as llama.cpp's inp_out_ids).
   std::tuple<at::Tensor, at::Tensor> forward(
       const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
       const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
       const at::Tensor& block_tables, const at::Tensor& seq_lens,
-      const at::Tensor& query_start_loc, const at::Tensor& slot_mapping) const;
+      const at::Tensor& query_start_loc, const at::Tensor& slot_mapping,
+      const c10::optional<at::Tensor>& out_rows = c10::nullopt,
+      const c10::optional<at::Tensor>& out_query_start_loc = c10::nullopt) const;
 
  private:
   struct Projection {
@@ -55,11 +61,14 @@ class DecoderLayerCpu {
 // first starts the residual stream. -> (the last layer's MLP output, the residual stream), or
 // nullopt, having run nothing, where a layer does not serve a step of x's rows (the caller then
 // takes the layers one by one). Why: one return to Python a step instead of one a layer.
+// out_rows, out_query_start_loc: the last layer's (DecoderLayerCpu::forward); the results are
+// then those rows'.
 c10::optional<std::tuple<at::Tensor, at::Tensor>> decoder_stack_forward(
     const std::vector<const DecoderLayerCpu*>& layers, const at::Tensor& x,
     const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
     const std::vector<at::Tensor>& v_caches, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-    const at::Tensor& slot_mapping);
+    const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& out_rows = c10::nullopt,
+    const c10::optional<at::Tensor>& out_query_start_loc = c10::nullopt);
 
 }  // namespace freetoken

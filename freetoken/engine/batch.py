@@ -52,6 +52,9 @@ class KVCache:
     hidden:             [num_blocks * block_size, hidden_size] -- the final-norm hidden state of the
                         token in each slot, so prompt logprobs of prefix-cache hits cost one lm_head
                         matmul instead of a recompute (see docs/architecture.md).
+    hidden_valid:       [num_blocks * block_size] bool -- whether hidden holds the slot's state: a
+                        step whose last layer went on with only its logits rows (model.forward,
+                        outputs_only) leaves its other slots without one.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -62,9 +65,11 @@ class KVCache:
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.hidden = _zeros((num_blocks * block_size, hidden_size), dtype, device)
+        self.hidden_valid = _zeros((num_blocks * block_size,), torch.bool, device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         hidden_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return elem * block_size * (2 * num_layers * num_kv_heads * head_dim + hidden_size)
+        return (elem * block_size * (2 * num_layers * num_kv_heads * head_dim + hidden_size)
+                + block_size)  # + hidden_valid

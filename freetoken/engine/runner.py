@@ -10,7 +10,10 @@ the pool, written by model.forward next to its K/V. For a cached position q, the
 model.compute_logits(kv.hidden[slot(q)]) -- the same lm_head matmul on the same hidden state a
 cold run computes, so no recompute and no cache bypass. The logprob of prompt token p (p >= 1)
 comes from the logits at position p-1; position 0 has none. Positions computed this step take
-their hidden state straight from the forward's output.
+their hidden state straight from the forward's output. A step whose logits rows are each its
+sequence's last row runs the model with outputs_only (its last layer on those rows alone), and
+leaves its other slots without a hidden state: the prompt logprobs of such a cached position
+compute it again first (_ensure_hidden), the rare cost of a prefill.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from freetoken.engine.sampler import Sampler, SampleRow
 from freetoken.engine.scheduler import SchedulerOutput, StepResult
 
 PROMPT_LOGITS_CHUNK = 256  # rows of [V] fp32 logits materialised at once for prompt logprobs
+REPLAY_CHUNK = 512  # positions a forward when cached hidden states are computed again
 
 
 class Runner:
@@ -92,6 +96,30 @@ class Runner:
             flat = cache.view(-1, *cache.shape[2:])                             # [NB*bs, kvh, hd]
             flat[dst] = flat[src]
         self.kv.hidden[dst] = self.kv.hidden[src]
+        self.kv.hidden_valid[dst] = self.kv.hidden_valid[src]
+
+    def _ensure_hidden(self, item, cached_slots: list[int]) -> None:
+        """The cached prompt positions [pl_start, pl_start + len(cached_slots)) of item's
+        sequence with a hidden state in kv.hidden: those a step computed with outputs_only lack
+        one, and are computed again from the first such, in their own forwards (their K/V
+        rewritten with the same bits: the forward is batch invariant)."""
+        valid = self.kv.hidden_valid[torch.tensor(cached_slots, device=self.device)]
+        if bool(valid.all()):
+            return
+        seq, start = item.seq, item.pl_start + int((~valid).nonzero()[0, 0])
+        end = item.pl_start + len(cached_slots)
+        for a in range(start, end, REPLAY_CHUNK):
+            b = min(end, a + REPLAY_CHUNK)
+            slots = self._slots(seq.block_table, a, b)
+            batch = ForwardBatch(
+                input_ids=torch.tensor(seq.token_ids[a:b], dtype=torch.long, device=self.device),
+                positions=torch.arange(a, b, device=self.device),
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                query_start_loc=[0, b - a], seq_lens=[b],
+                block_tables=torch.tensor([seq.block_table], dtype=torch.int32,
+                                          device=self.device),
+                logits_indices=torch.tensor([b - a - 1], dtype=torch.long, device=self.device))
+            self.model.forward(batch, self.kv)  # every row's hidden state into kv.hidden
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
@@ -99,7 +127,10 @@ class Runner:
             self.copy_slots(out.copies)
         batch, sample_at, pl_plan = self.build_batch(out)
         results = [StepResult() for _ in out.scheduled]
-        hidden = self.model.forward(batch, self.kv)                        # [N, H]
+        for i, cached_slots, _, _ in pl_plan:
+            if cached_slots:
+                self._ensure_hidden(out.scheduled[i], cached_slots)
+        hidden = self.model.forward(batch, self.kv, outputs_only=True)     # [N, H]
 
         for i, cached_slots, li0, li1 in pl_plan:
             item = out.scheduled[i]

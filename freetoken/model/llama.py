@@ -225,11 +225,31 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, elementwise), residual
 
 
+def _last_rows(batch: ForwardBatch):
+    """(rows, query_start_loc) of the step's logits rows, where each is the last row of its
+    sequence and some rows are not logits rows (CPU int64 tensors: rows [N]; 0, 1, .., N, one
+    step at each sequence that has its row); else None."""
+    n = int(batch.logits_indices.shape[0])
+    if n == 0 or n >= batch.num_tokens or batch.logits_indices.device.type != "cpu":
+        return None
+    rows = batch.logits_indices.tolist()
+    qsl = batch.query_start_loc
+    last = {qsl[s + 1] - 1: s for s in range(len(qsl) - 1) if qsl[s + 1] > qsl[s]}
+    if any(r not in last for r in rows) or rows != sorted(set(rows)):
+        return None
+    has = {last[r] for r in rows}
+    starts = [0]
+    for s in range(len(qsl) - 1):
+        starts.append(starts[-1] + (s in has))
+    return batch.logits_indices, torch.tensor(starts, dtype=torch.long)
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(batch, kv) -> hidden [N, H] at batch.logits_indices; compute_logits -> [N, V] fp32.
 
     Contract (docs/architecture.md): forward writes K/V of all T tokens at batch.slot_mapping into
-    kv.k[layer] / kv.v[layer] and their final-norm hidden states into kv.hidden[slot_mapping].
+    kv.k[layer] / kv.v[layer] and their final-norm hidden states into kv.hidden[slot_mapping]
+    (with outputs_only, maybe only the logits rows'; kv.hidden_valid marks which).
     Sequence s attends causally over its whole context 0..seq_lens[s]-1, read from its blocks, so
     the prefix may come from an earlier step or another sequence (prefix cache).
     """
@@ -305,7 +325,14 @@ class LlamaForCausalLM(nn.Module):
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, outputs_only: bool = False
+                ) -> torch.Tensor:
+        """outputs_only: where the logits rows are each the last of its sequence's rows and
+        the layers run as one call (a prefill or classify step without prompt logprobs), the
+        last layer goes on past its attention's K/V with those rows only, and the step's other
+        slots are left without a hidden state (kv.hidden_valid False; Runner recomputes one
+        where prompt logprobs need it). NOTE: as llama.cpp's inp_out_ids; the last layer's
+        attention output, o_proj and MLP at the other rows feed nothing but kv.hidden."""
         elementwise = elementwise_threads(batch.num_tokens, self.config.hidden_size)
         with elementwise():  # NOTE: on 2 threads these few small ops cost ~0.3 ms a step
             x = self.embed_tokens(batch.input_ids)  # [T, H]
@@ -313,31 +340,41 @@ class LlamaForCausalLM(nn.Module):
         meta = build_attention_metadata(
             batch, kv.block_size, self.config.sliding_window, dtype=x.dtype
         )
-        stacked = self._stacked_layers(x, cos, sin, kv, meta)
+        out = _last_rows(batch) if outputs_only else None
+        stacked = self._stacked_layers(x, cos, sin, kv, meta, out)
         if stacked is not None:
             x, residual = stacked
         else:
-            residual = None
+            out, residual = None, None
             for i, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, cos, sin, kv.k[i], kv.v[i], meta, elementwise)
         with elementwise():
-            x, _ = self.norm(x, residual)  # [T, H]
+            x, _ = self.norm(x, residual)  # [T, H], or [N, H] at the logits rows (out)
             # index_copy_, not advanced indexing: 3 us against 50 here
-            kv.hidden.index_copy_(0, batch.slot_mapping, x.to(kv.hidden.dtype))
-            return x.index_select(0, batch.logits_indices)  # [N, H]
+            if out is None:
+                kv.hidden.index_copy_(0, batch.slot_mapping, x.to(kv.hidden.dtype))
+                kv.hidden_valid.index_fill_(0, batch.slot_mapping, True)
+                return x.index_select(0, batch.logits_indices)  # [N, H]
+            slots = batch.slot_mapping.index_select(0, batch.logits_indices)
+            kv.hidden_valid.index_fill_(0, batch.slot_mapping, False)
+            kv.hidden.index_copy_(0, slots, x.to(kv.hidden.dtype))
+            kv.hidden_valid.index_fill_(0, slots, True)
+            return x
 
-    def _stacked_layers(self, x, cos, sin, kv: KVCache, meta):
+    def _stacked_layers(self, x, cos, sin, kv: KVCache, meta, out=None):
         """Every layer fused and serving the step: all of them in one C++ call
         (ops.decoder_stack, the same results as calling each layer) -> (out, residual); else
-        None, and the layers run one by one."""
+        None, and the layers run one by one. out: (rows, query_start_loc) of the last layer's
+        rows (_last_rows), or None: all."""
         kn = meta.kernel
         if kn is None:
             return None
         fused = [layer.fused for layer in self.layers]
         if any(f is None for f in fused):
             return None
+        rows, qsl = out if out is not None else (None, None)
         return ops.decoder_stack(fused, x, cos, sin, kv.k, kv.v, kn.block_tables, kn.seq_lens,
-                                 kn.query_start_loc, meta.slot_mapping)
+                                 kn.query_start_loc, meta.slot_mapping, rows, qsl)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,13 +46,19 @@ def decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor,
 def decoder_stack(layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, slot_mapping: torch.Tensor):
+                  query_start_loc: torch.Tensor, slot_mapping: torch.Tensor,
+                  out_rows: torch.Tensor | None = None,
+                  out_query_start_loc: torch.Tensor | None = None):
     """The decoder_layer objects `layers` in order in one C++ call, layer i on k_caches[i] and
     v_caches[i], the first starting the residual stream: the results of calling each one's
     forward in turn. -> (the last layer's output, the residual stream), or None, having run
     nothing, where a layer does not serve a step of x's rows.
+    out_rows [R] int64 (with out_query_start_loc [S + 1]: 0, 1, ..., R, one step where a
+    sequence has its row): the last layer takes only these rows past its attention's K/V, each
+    the last row of its sequence (those whose logits are needed); the results are then [R, H],
+    those rows' bits as without it.
     NOTE: one return to Python a step instead of one a layer (SmolLM2's 30 layers: ~0.1 ms of a
     ~5 ms one-row step), and the GIL stays free for the server's event loop the whole forward."""
     require_ext("decoder_stack")
     return _C.decoder_stack(layers, x, cos, sin, k_caches, v_caches, block_tables, seq_lens,
-                            query_start_loc, slot_mapping)
+                            query_start_loc, slot_mapping, out_rows, out_query_start_loc)

@@ -60,6 +60,48 @@ def prefill_then_decode(num_seqs: int, prompt_len: int = 11, decode_steps: int =
     ("llama", {}),
     ("qwen2", {}),                      # q/k/v biases
     ("mistral", {"sliding_window": 5}),
+])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_outputs_only_gives_the_logits_rows_bits(tiny_checkpoint, isa, arch, overrides,
+                                                 num_seqs):
+    """model.forward(outputs_only=True): the last layer takes only each sequence's last row
+    past its K/V; those rows' hidden states and logits, and every K/V in the pool, are the bits
+    of the whole forward's, and kv.hidden_valid tells the slots it kept from those it did not
+    (a prefill, decode steps where every row is a logits row, a mixed step)."""
+    from freetoken.loader import load_model
+
+    path, _ = tiny_checkpoint(arch, **overrides)
+    model = load_model(path, load_tokenizer=False, progress=False).model
+    steps = prefill_then_decode(num_seqs)
+    kvs, outs = [], []
+    for outputs_only in (False, True):
+        kv = model.make_kv_cache(6 * num_seqs, 4)
+        logits = []
+        for seqs in steps:
+            batch = build_forward_batch(seqs, 4)
+            hidden = model.forward(batch, kv, outputs_only=outputs_only)
+            logits.append(model.compute_logits(hidden))
+            kept = batch.slot_mapping[batch.logits_indices]
+            assert bool(kv.hidden_valid[kept].all())
+            if outputs_only and batch.num_tokens > len(seqs):  # the prefill, the mixed step
+                rest = torch.ones_like(kv.hidden_valid)
+                rest[kept] = False
+                assert not bool(kv.hidden_valid[batch.slot_mapping][rest[batch.slot_mapping]]
+                                .any())
+        kvs.append(kv)
+        outs.append(logits)
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a, b), f"step {i}"
+    for a, b in zip([*kvs[0].k, *kvs[0].v], [*kvs[1].k, *kvs[1].v]):
+        assert torch.equal(a, b)
+    valid = kvs[1].hidden_valid
+    assert torch.equal(kvs[0].hidden[valid], kvs[1].hidden[valid])
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("qwen2", {}),                      # q/k/v biases
+    ("mistral", {"sliding_window": 5}),
     ("llama", {"num_key_value_heads": 4}),  # no GQA
     ("llama", {"num_key_value_heads": 1}),  # MQA
 ])

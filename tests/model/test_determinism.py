@@ -1,8 +1,9 @@
 """Batch invariance on the real SmolLM2 (issue 23, SPEC.md Determinism): one prompt's prompt
 logprobs (top 20) and its greedy tokens' logprobs (top 20) are bitwise the same scored alone cold,
-alone warm, behind a partial-block hit, in bursts of 2 to 16 other prompts, with its prefill
-chunked at several budgets, and at 1 or 2 threads, within each ISA variant this machine runs;
-and a generated continuation, scored again as a prompt, has the logprobs it was generated with.
+alone warm, behind a partial-block hit, behind a prefix cached without its hidden states, in
+bursts of 2 to 16 other prompts, with its prefill chunked at several budgets, and at 1 or 2
+threads, within each ISA variant this machine runs; and a generated continuation, scored again
+as a prompt, has the logprobs it was generated with.
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ def test_one_prompts_scores_whatever_runs_beside_it(loaded, isa):
             got[f"chunks of {budget}"] = run(eng, [prompt])
         finally:
             eng.shutdown()
+    eng = engine()
+    try:  # its blocks cached by a request without prompt logprobs, whose step kept the
+        # last layer's state at its last row only: the others' are computed again
+        eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), timeout_s=300)
+        assert int(eng.kv.hidden_valid.sum()) == 1
+        got["behind a cached prefix without hidden states"] = run(eng, [prompt])
+        assert int(eng.kv.hidden_valid.sum()) >= len(prompt)
+    finally:
+        eng.shutdown()
     for shared in (len(prompt), 70):  # a partial-block hit leaving 1 and 7 tokens to compute
         eng = engine(enable_partial_block_reuse=True)
         try:
