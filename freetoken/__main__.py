@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = engine.stats() or {}
     blocks = int(stats.get("kv_blocks_total", 0))
     kv = getattr(engine, "kv", None)
-    kv_bytes = sum(t.numel() * t.element_size() for t in [*kv.k, *kv.v, kv.hidden]) if kv else 0
+    pool = [*kv.k, *kv.v, kv.hidden, kv.hidden_valid] if kv else []
+    kv_bytes = sum(t.numel() * t.element_size() for t in pool)
     log.info(
         "serving %s as %r: dtype=%s device=%s kernel backend=%s max_model_len=%d "
         "kv cache=%d blocks x %d = %d tokens (%.0f MiB) prefix cache=%s "
