@@ -406,7 +406,6 @@ FT_TARGET_AMX FT_INLINE void products_job(const uint8_t* lo, const uint8_t* hi, 
 // 0.94x, Q4_K 2048 x 8192 0.99x / 0.98x, 3072 x 2048 level; served 1B int8 classify 1.04x the
 // requests a second (scripts/ab_serve.py, 4 reps). Widening the next superblock in the last jobs
 // rather than the first: 1.04-1.09x the time (its bursts of vector work stall the tiles).
-
 // NOTE: interleaved so, because the tile registers are not renamed: a chunk's tile loads wait
 // for the previous chunk's products, and the work between them keeps the vector pipes busy
 // meanwhile. A pair's products for a superblock, then its steps whole: 1.07x the time for a
