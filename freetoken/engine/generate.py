@@ -1,5 +1,6 @@
 """generate(loaded, prompt_ids, max_new_tokens): greedy ids + logprobs with the bare model, no
-engine or server. For checking the model (tests, parity, benchmarks); the engine does not use it.
+engine or server. For checking the model (tests, parity, benchmarks); of it the engine uses only
+build_forward_batch (the runner's recompute of cached hidden states).
 
 NOTE (threads and OpenMP wait policy, measured with scripts/bench_forward.py
 --compare-wait-policy on the shared 2-core EPYC dev box, load average ~3, SmolLM2 fp32):

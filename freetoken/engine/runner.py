@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.engine.batch import ForwardBatch, KVCache
+from freetoken.engine.generate import build_forward_batch
 from freetoken.engine.sampler import Sampler, SampleRow
 from freetoken.engine.scheduler import SchedulerOutput, StepResult
 
@@ -109,16 +110,8 @@ class Runner:
         seq, start = item.seq, item.pl_start + int((~valid).nonzero()[0, 0])
         end = item.pl_start + len(cached_slots)
         for a in range(start, end, REPLAY_CHUNK):
-            b = min(end, a + REPLAY_CHUNK)
-            slots = self._slots(seq.block_table, a, b)
-            batch = ForwardBatch(
-                input_ids=torch.tensor(seq.token_ids[a:b], dtype=torch.long, device=self.device),
-                positions=torch.arange(a, b, device=self.device),
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                query_start_loc=[0, b - a], seq_lens=[b],
-                block_tables=torch.tensor([seq.block_table], dtype=torch.int32,
-                                          device=self.device),
-                logits_indices=torch.tensor([b - a - 1], dtype=torch.long, device=self.device))
+            batch = build_forward_batch([(seq.token_ids[a:min(end, a + REPLAY_CHUNK)], a,
+                                          seq.block_table)], self.block_size, self.device)
             self.model.forward(batch, self.kv)  # every row's hidden state into kv.hidden
 
     @torch.inference_mode()
