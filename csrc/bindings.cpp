@@ -140,6 +140,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_amx", &freetoken::set_int8_amx,
         "allows or forbids the int8 linear's AMX loop; returns the previous setting",
         py::arg("allowed"));
+  m.def("int8_avx_vnni_available", &freetoken::int8_avx_vnni_available,
+        "True when the int8 linear's AVX2 loop is in use and its steps are AVX-VNNI's vpdpbusd");
+  m.def("set_int8_avx_vnni", &freetoken::set_int8_avx_vnni,
+        "allows or forbids AVX-VNNI in the int8 linear's AVX2 loop; returns the previous setting",
+        py::arg("allowed"));
   m.def("int8_bound_loop", &freetoken::int8_bound_loop,
         "the instructions int8_peak_gops times ('' for the portable loop)");
   m.def("int8_peak_gops", &freetoken::int8_peak_gops,

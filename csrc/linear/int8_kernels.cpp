@@ -340,6 +340,10 @@ FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, con
 // [-127, 127] (|x| <= 128 at worst), so a pair is at most 2 * 128 * max_code and n steps of
 // them stay under 2^15 while n * max_code <= 127 (int16_steps). Q8_0's biased codes are unbiased
 // first, its products taken as |q| x sign(q) * x (|pair| <= 32768 - 256): one step at a time.
+//
+// With AVX-VNNI (Alder Lake and later cores without AVX-512, Sierra Forest) a step is one
+// vpdpbusd a row and half into int32 sums (DP): no int16 sums, no widening, the same integer
+// sums and so the same bits. A K-quant group's sum then takes its scale by vpmulld.
 FT_TARGET_AVX2 FT_INLINE __m256 no_contract256(__m256 v) {
   asm("" : "+x"(v));
   return v;
@@ -349,6 +353,14 @@ FT_TARGET_AVX2 FT_INLINE __m256i bcast4_256(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
+}
+
+// acc + the 4-byte dot products of u (unsigned) and v (signed) in each int32 lane: AVX-VNNI's
+// vpdpbusd (VEX). NOTE: in asm, so that the AVX2 loop's functions keep their AVX2 target (a
+// target with avxvnni would let GCC emit it where the CPU has none); called only where it has.
+FT_INLINE __m256i dpbusd_vex(__m256i acc, __m256i u, __m256i v) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(v));
+  return acc;
 }
 
 FT_TARGET_AVX2 FT_INLINE __m256i load_half(const uint8_t* p, int h) {
@@ -383,8 +395,9 @@ FT_TARGET_AVX2 FT_INLINE __m256i scale_pairs_avx2(const uint8_t* sc, int h, bool
 // Rows [m0, m0 + MR) against one panel; acc_out [MR][16]. A 4-code step is vpmaddubsw per row
 // and half onto int16 sums Q, widened every int16_steps steps by vpmaddwd: by ones into the
 // group's int32 sums P, or, for a K-quant, by the group's scale pairs straight into the
-// superblock's sum I (sc * P, no vpmulld). SIGNED: Q8_0's codes, one step at a time.
-template <int MR, int KIND, bool SIGNED>
+// superblock's sum I (sc * P, no vpmulld). SIGNED: Q8_0's codes, one step at a time. DP: each
+// step one vpdpbusd into the group's int32 sums P (AVX-VNNI), a K-quant's then times its scales.
+template <int MR, int KIND, bool SIGNED, bool DP>
 FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
   constexpr KindInfo ki = kKinds[KIND];
@@ -413,6 +426,8 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
       __m256i sc16[2], P[MR][2], Q[MR][2];
       if constexpr (kq) {
         for (int h = 0; h < 2; ++h) sc16[h] = scale_pairs_avx2(sc + 16 * j, h, !k4);
+        if constexpr (DP)
+          for (int m = 0; m < MR; ++m) P[m][0] = P[m][1] = _mm256_setzero_si256();
       } else {
         for (int m = 0; m < MR; ++m) {
           int32_t init = 0;
@@ -436,11 +451,15 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
           const __m256i xv = bcast4_256(xk + m * x.K + dk);
           for (int h = 0; h < 2; ++h) {
             const __m256i xs = SIGNED ? _mm256_sign_epi8(xv, sg[h]) : xv;
+            if constexpr (DP) {
+              P[m][h] = dpbusd_vex(P[m][h], cv[h], xs);
+              continue;
+            }
             const __m256i pairs = _mm256_maddubs_epi16(cv[h], xs);
             Q[m][h] = first ? pairs : _mm256_add_epi16(Q[m][h], pairs);
           }
         }
-        if (++steps % n16 != 0) return;
+        if (DP || ++steps % n16 != 0) return;
         for (int m = 0; m < MR; ++m)
           for (int h = 0; h < 2; ++h) {
             if constexpr (kq) {
@@ -473,6 +492,14 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
             v[h] = _mm256_or_si256(lo, _mm256_and_si256(top, hi2));
           }
           step(v[0], v[1], 4 * t);
+        }
+      }
+      if constexpr (kq && DP) {  // the group's sums times its scales (int32 a lane)
+        for (int h = 0; h < 2; ++h) {
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * j + 8 * h));
+          const __m256i scv = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+          for (int m = 0; m < MR; ++m)
+            I[m][h] = _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(P[m][h], scv));
         }
       }
       if constexpr (kq) continue;
@@ -534,7 +561,7 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_out + m * kPanel + 8 * h, acc[m][h]);
 }
 
-template <int KIND, bool SIGNED>
+template <int KIND, bool SIGNED, bool DP>
 FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                int64_t M, float* y, int64_t N, const float* bias) {
   // 4-bit codes take 4 rows a tile, sharing each step's decode (Q4_K at 224 rows: 0.84x the
@@ -545,25 +572,33 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int mr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     if (mr == 4) {
-      panel_rows_avx2<kRows == 4 ? 4 : 2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<kRows == 4 ? 4 : 2, KIND, SIGNED, DP>(data, pi.c, units, x, m0, acc);
     } else if (mr == 3) {
-      panel_rows_avx2<kRows == 4 ? 3 : 2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<kRows == 4 ? 3 : 2, KIND, SIGNED, DP>(data, pi.c, units, x, m0, acc);
     } else if (mr == 2) {
-      panel_rows_avx2<2, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<2, KIND, SIGNED, DP>(data, pi.c, units, x, m0, acc);
     } else {
-      panel_rows_avx2<1, KIND, SIGNED>(data, pi.c, units, x, m0, acc);
+      panel_rows_avx2<1, KIND, SIGNED, DP>(data, pi.c, units, x, m0, acc);
     }
     store_rows(acc, mr, m0, pi, y, N, bias);
   }
 }
 
-FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
-                                   int64_t M, float* y, int64_t N, const float* bias) {
+template <bool DP>
+FT_TARGET_AVX2 void run_panel_avx2_dp(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                                      int64_t M, float* y, int64_t N, const float* bias) {
   if (pi.kind == kByte32 && pi.c == 128)  // Q8_0
-    return panel_avx2<kByte32, true>(data, pi, x, M, y, N, bias);
+    return panel_avx2<kByte32, true, DP>(data, pi, x, M, y, N, bias);
   with_kind(pi.kind, [&](auto kind) {
-    panel_avx2<decltype(kind)::value, false>(data, pi, x, M, y, N, bias);
+    panel_avx2<decltype(kind)::value, false, DP>(data, pi, x, M, y, N, bias);
   });
+}
+
+FT_TARGET_AVX2 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x,
+                                   int64_t M, float* y, int64_t N, const float* bias,
+                                   bool avx_vnni) {
+  if (avx_vnni) return run_panel_avx2_dp<true>(data, pi, x, M, y, N, bias);
+  run_panel_avx2_dp<false>(data, pi, x, M, y, N, bias);
 }
 
 // quantize_block compiled for AVX2 (nearbyint becomes one vroundps, not a libm call).
@@ -602,6 +637,36 @@ FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
   return 0;
 }
 
+// The bound with AVX-VNNI (no AVX-512): 12 independent vpdpbusd (VEX) chains on registers (32
+// products each).
+FT_TARGET_AVX2 __attribute__((noinline)) int32_t avx_vnni_chains(int64_t iters) {
+  if (iters <= 0) return 0;
+  asm volatile(
+      "vpcmpeqb %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vpabsb %%ymm0, %%ymm1\n\t"
+      "1:\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm2\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm3\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm4\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm5\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm6\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm7\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm8\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm9\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm10\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm11\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm12\n\t"
+      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm13\n\t"
+      "dec %0\n\t"
+      "jnz 1b\n\t"
+      "vzeroupper\n\t"
+      : "+r"(iters)
+      :
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+        "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+  return 0;
+}
+
 // The bound without VNNI: 6 independent vpmaddubsw (32 products each) summed by vpaddw into 6
 // register accumulators. No AVX2 int8 product loop does less per product: every one needs the
 // multiply and at least an int16 add (the kernel also widens and scales).
@@ -633,6 +698,15 @@ FT_TARGET_AVX2 __attribute__((noinline)) int32_t avx2_int8_chains(int64_t iters)
   return 0;
 }
 #endif
+
+bool cpu_has_avx_vnni() {
+#if FT_HAS_ISA_VARIANTS
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+  return has;
+#else
+  return false;
+#endif
+}
 
 bool cpu_has_vnni() {
 #if FT_HAS_ISA_VARIANTS

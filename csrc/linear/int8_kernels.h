@@ -117,12 +117,18 @@ void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
 void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias);
 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
-                    int64_t N, const float* bias);
+                    int64_t N, const float* bias,
+                    bool avx_vnni);
 
 // 12 independent register vpdpbusd chains, `iters` rounds (int8_peak_gops); returns 0.
 int32_t vnni_chains(int64_t iters);
 // 6 independent register vpmaddubsw + vpaddw pairs (32 products each), `iters` rounds; returns 0.
 int32_t avx2_int8_chains(int64_t iters);
+// 12 independent register vpdpbusd (VEX, 32 products each) chains, `iters` rounds; returns 0.
+int32_t avx_vnni_chains(int64_t iters);
+
+// True when the CPU has AVX-VNNI (VEX vpdpbusd on 256 bits) and AVX2.
+bool cpu_has_avx_vnni();
 
 // True when the CPU has AVX512-VNNI (and BW, VL).
 bool cpu_has_vnni();

@@ -3,7 +3,8 @@
 // Q8_K) and W keeps its GGUF integer codes, so each group of 32 (16 for Q6_K) weights times x is
 // one exact integer dot product. Not exact: x loses its low bits (the exact mode is
 // gguf_linear.cpp). Four loops with the same bits: AMX-INT8 tiles (steps of 32+ rows where the CPU
-// has them, int8_amx.cpp), AVX512-VNNI, AVX2 (CPUs without VNNI), portable (baseline x86-64).
+// has them, int8_amx.cpp), AVX512-VNNI, AVX2 (CPUs without AVX512-VNNI; its steps by AVX-VNNI's
+// vpdpbusd where the CPU has that), portable (baseline x86-64).
 //
 // The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
 // u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
@@ -91,6 +92,12 @@ constexpr int64_t kAmxTasksPerThread = 16;
 bool use_amx() { return use_vnni() && amx_allowed().load() && cpu_has_amx(); }
 // AVX2 (and AVX-512 without VNNI): the 8-lane kernel.
 bool use_avx2() { return !use_vnni() && current_isa() != Isa::kBase; }
+std::atomic<bool>& avx_vnni_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+// The 8-lane kernel's steps by AVX-VNNI's vpdpbusd where the CPU has it (the same bits).
+bool use_avx_vnni() { return use_avx2() && avx_vnni_allowed().load() && cpu_has_avx_vnni(); }
 
 struct ActStore {
   at::Tensor q, d, s16, s32, xs32, qt, qa, sd;
@@ -234,6 +241,7 @@ at::Tensor multiply(ActStore& store, const Matrix& mat, const at::Tensor& weight
                     const float* b, int64_t M, const at::TensorOptions& f32) {
   at::Tensor y = at::empty({M, mat.N}, f32);
   const bool vnni = use_vnni(), avx2 = use_avx2(), amx = M >= kAmxRows && use_amx();
+  const bool avx_vnni = avx2 && use_avx_vnni();
   // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
   // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
   // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).
@@ -258,7 +266,7 @@ at::Tensor multiply(ActStore& store, const Matrix& mat, const at::Tensor& weight
         continue;
       }
       if (avx2) {
-        run_panel_avx2(mat.base + pi.offset, pi, acts, M, yp, mat.N, b);
+        run_panel_avx2(mat.base + pi.offset, pi, acts, M, yp, mat.N, b, avx_vnni);
         continue;
       }
 #endif
@@ -473,14 +481,19 @@ bool int8_amx_available() { return use_vnni() && cpu_has_amx(); }
 
 bool set_int8_amx(bool allowed) { return amx_allowed().exchange(allowed); }
 
+bool int8_avx_vnni_available() { return use_avx2() && cpu_has_avx_vnni(); }
+
+bool set_int8_avx_vnni(bool allowed) { return avx_vnni_allowed().exchange(allowed); }
+
 std::string int8_bound_loop() {
   if (use_amx()) return "tdpbssd (AMX-INT8)";
   if (use_vnni()) return "vpdpbusd (AVX512-VNNI)";
+  if (use_avx_vnni()) return "vpdpbusd (AVX-VNNI)";
   return use_avx2() ? "vpmaddubsw+vpaddw (AVX2)" : "";
 }
 
 double int8_peak_gops(int64_t iters, int64_t threads) {
-  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = use_amx();
+  const bool vnni = use_vnni(), avx2 = use_avx2(), amx = use_amx(), avx_vnni = use_avx_vnni();
   TORCH_CHECK_VALUE(vnni || avx2,
                     "int8_peak_gops: the portable int8 loop is in use (no AVX512-VNNI or AVX2)");
 #if FT_HAS_ISA_VARIANTS
@@ -488,13 +501,15 @@ double int8_peak_gops(int64_t iters, int64_t threads) {
   TaskPool::get().run(threads, static_cast<int>(threads), [&](int64_t) {
     if (amx) amx_chains(iters / 16);
     else if (vnni) vnni_chains(iters);
+    else if (avx_vnni) avx_vnni_chains(iters);
     else avx2_int8_chains(iters);
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // a thread's (AMX: iters / 16 rounds of 4 tile products of 16 x 16 x 64)
   const double products = amx    ? 4.0 * 16 * 16 * 64 * static_cast<double>(iters / 16)
-                          : vnni ? 64.0 * 12 * static_cast<double>(iters)
-                                 : 32.0 * 6 * static_cast<double>(iters);
+                          : vnni     ? 64.0 * 12 * static_cast<double>(iters)
+                          : avx_vnni ? 32.0 * 12 * static_cast<double>(iters)
+                                     : 32.0 * 6 * static_cast<double>(iters);
   return 2.0 * products * threads / s / 1e9;
 #else
   return 0;

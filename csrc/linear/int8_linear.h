@@ -63,14 +63,21 @@ bool int8_vnni_available();
 bool int8_amx_available();
 // Allows (true, the default) or forbids the AMX loop; returns the previous setting (tests, A/B).
 bool set_int8_amx(bool allowed);
+// True when the int8 linear's 8-lane (AVX2) loop is in use and the CPU has AVX-VNNI: its steps
+// are then vpdpbusd (the same bits as vpmaddubsw's).
+bool int8_avx_vnni_available();
+// Allows (true, the default) or forbids AVX-VNNI in the 8-lane loop; returns the previous setting
+// (tests, A/B).
+bool set_int8_avx_vnni(bool allowed);
 // The instructions int8_peak_gops times, those of the fastest int8 loop in use: "tdpbssd
-// (AMX-INT8)", "vpdpbusd (AVX512-VNNI)", "vpmaddubsw+vpaddw (AVX2)", or "" (portable).
+// (AMX-INT8)", "vpdpbusd (AVX512-VNNI)", "vpdpbusd (AVX-VNNI)", "vpmaddubsw+vpaddw (AVX2)", or ""
+// (portable).
 std::string int8_bound_loop();
 
 // The int8 compute bound: giga int8 operations (2 a product) a second of `threads` threads each
 // running `iters` rounds of register-only products in the instructions of the fastest loop the
 // kernel runs: AMX tile products (16 x 16 x 64) where it takes the AMX loop, else 12 vpdpbusd
-// (AVX512-VNNI), else 6 vpmaddubsw + vpaddw (AVX2) (benchmarks).
+// (AVX512-VNNI), else 12 VEX vpdpbusd (AVX-VNNI), else 6 vpmaddubsw + vpaddw (AVX2) (benchmarks).
 double int8_peak_gops(int64_t iters, int64_t threads);
 
 }  // namespace freetoken

@@ -42,6 +42,7 @@ from freetoken.ops.gguf import (
 )
 from freetoken.ops.int8 import (
     int8_amx_available,
+    int8_avx_vnni_available,
     int8_bound_loop,
     int8_matrix,
     int8_matrix_available,
@@ -53,6 +54,7 @@ from freetoken.ops.int8 import (
     int8_vnni_available,
     is_int8_matrix,
     set_int8_amx,
+    set_int8_avx_vnni,
 )
 from freetoken.ops.linear import (
     GGUF_PANEL_TYPES,
@@ -72,12 +74,14 @@ __all__ = [
     "decoder_layer", "decoder_layer_available", "decoder_stack", "dequantize_gguf",
     "fused_elementwise_available", "gguf_dequantize_available", "gguf_matrix",
     "gguf_matrix_available", "gguf_panel_type",
-    "gguf_row_bytes", "gumbel_noise", "int8_amx_available", "int8_bound_loop", "int8_matrix",
+    "gguf_row_bytes", "gumbel_noise", "int8_amx_available", "int8_avx_vnni_available",
+    "int8_bound_loop", "int8_matrix",
     "int8_matrix_available", "int8_matrix_superblocks", "int8_matrix_unpack", "int8_peak_gops",
     "int8_quantize_rows", "int8_silu_linear", "int8_vnni_available", "is_gguf_matrix",
     "is_int8_matrix",
     "pack_gguf_panels", "pack_panels",
     "paged_attention", "paged_attention_available", "panel_linear", "panel_linear_available",
-    "panel_shape", "rms_norm", "rope_", "sample_tokens", "set_int8_amx", "silu_mul",
+    "panel_shape", "rms_norm", "rope_", "sample_tokens", "set_int8_amx", "set_int8_avx_vnni",
+    "silu_mul",
     "topk_logprobs",
 ]

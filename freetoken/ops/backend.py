@@ -43,7 +43,8 @@ _EXT_NAMES = ("topk_logprobs", "check_compact", "paged_attention", "rms_norm", "
               "gguf_dequantize_types", "int8_matrix", "int8_matrix_types", "is_int8_matrix",
               "int8_matrix_unpack", "int8_matrix_superblocks", "int8_quantize_rows",
               "int8_silu_linear", "int8_vnni_available", "int8_peak_gops", "int8_bits_per_weight",
-              "int8_amx_available", "set_int8_amx", "int8_bound_loop")
+              "int8_amx_available", "set_int8_amx", "int8_avx_vnni_available",
+              "set_int8_avx_vnni", "int8_bound_loop")
 
 try:
     from freetoken import _C  # noqa: N813

@@ -117,8 +117,23 @@ def set_int8_amx(allowed: bool) -> bool:
     return _C.set_int8_amx(bool(allowed))
 
 
+def int8_avx_vnni_available() -> bool:
+    """True when the int8 linear runs its 8-lane (AVX2) loop on a CPU with AVX-VNNI: its steps
+    are then one vpdpbusd each (the same bits as the vpmaddubsw steps)."""
+    return _C is not None and _C.int8_avx_vnni_available()
+
+
+def set_int8_avx_vnni(allowed: bool) -> bool:
+    """Allows (the default) or forbids AVX-VNNI in the int8 linear's AVX2 loop, for tests and A/B
+    runs; returns the previous setting."""
+    from freetoken.ops.backend import require_ext
+
+    require_ext("set_int8_avx_vnni")
+    return _C.set_int8_avx_vnni(bool(allowed))
+
+
 def int8_bound_loop() -> str | None:
     """The instructions int8_peak_gops times, those of the fastest int8 loop in use on this CPU
-    at the ISA in use: 'tdpbssd (AMX-INT8)', 'vpdpbusd (AVX512-VNNI)', 'vpmaddubsw+vpaddw
-    (AVX2)', or None (portable, or no extension)."""
+    at the ISA in use: 'tdpbssd (AMX-INT8)', 'vpdpbusd (AVX512-VNNI)', 'vpdpbusd (AVX-VNNI)',
+    'vpmaddubsw+vpaddw (AVX2)', or None (portable, or no extension)."""
     return (_C.int8_bound_loop() or None) if _C is not None else None

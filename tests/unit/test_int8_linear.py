@@ -306,6 +306,39 @@ def test_vnni_avx2_and_portable_loops_agree():
         ops.configure(cpu_isa=before)
 
 
+def test_avx2_loop_with_and_without_avx_vnni_gives_the_same_bits():
+    """AVX-VNNI's vpdpbusd steps in the 8-lane loop (one a row and half into int32 sums, a
+    K-quant group's then times its scales) against vpmaddubsw's int16 pairs: the same integer
+    sums, so the same bits, every format, odd row counts, a mixed fused matrix."""
+    if "avx2" not in ops.available_cpu_isas():
+        pytest.skip("needs a CPU with AVX2")
+    before = ops.config().cpu_isa
+    try:
+        ops.configure(cpu_isa="avx2")
+        if not ops.int8_avx_vnni_available():
+            pytest.skip("needs a CPU with AVX-VNNI")
+        cases = []
+        for type_ in INT8_TYPES:
+            k = k_for(type_, 6 if block_of(type_) < 256 else 3)
+            cases.append((type_, int8_matrix([(type_, random_rows(type_, 40, k, seed=5))], k)[0],
+                          k))
+        k = 512
+        mixed = [(t, random_rows(t, n, k, seed=6)) for t, n in
+                 (("Q4_K", 24), ("Q6_K", 17), ("Q8_0", 9), ("Q5_K", 16))]
+        cases.append(("mixed", int8_matrix(mixed, k)[0], k))
+        for name, weight, k in cases:
+            x = varied_rows(13, k)
+            out = {}
+            for allowed in (True, False):
+                ops.set_int8_avx_vnni(allowed)
+                out[allowed] = [ops.panel_linear(x[:m].contiguous(), weight) for m in (1, 3, 5, 13)]
+            assert all(torch.equal(p, q) for p, q in zip(out[True], out[False])), name
+            assert all(torch.isfinite(p).all() for p in out[True]), name
+    finally:
+        ops.set_int8_avx_vnni(True)
+        ops.configure(cpu_isa=before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_do_not_change_the_bits(threads):
     k = 2048
@@ -350,9 +383,17 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
         return
     vnni = isa == "avx512" and ops.int8_vnni_available()
     amx = vnni and ops.int8_amx_available()
+    avx_vnni = not vnni and ops.int8_avx_vnni_available()
     assert loop == ("tdpbssd (AMX-INT8)" if amx else "vpdpbusd (AVX512-VNNI)" if vnni
-                    else "vpmaddubsw+vpaddw (AVX2)")
+                    else "vpdpbusd (AVX-VNNI)" if avx_vnni else "vpmaddubsw+vpaddw (AVX2)")
     assert ops.int8_peak_gops(20_000, 1) > 0
+    if avx_vnni:  # and the vpmaddubsw loop's while AVX-VNNI is forbidden
+        before = ops.set_int8_avx_vnni(False)
+        try:
+            assert ops.int8_bound_loop() == "vpmaddubsw+vpaddw (AVX2)"
+            assert not ops.int8_avx_vnni_available() or ops.int8_peak_gops(20_000, 1) > 0
+        finally:
+            ops.set_int8_avx_vnni(before)
     if amx:  # the bound follows the loop: the VNNI one while the AMX loop is forbidden
         before = ops.set_int8_amx(False)
         try:
