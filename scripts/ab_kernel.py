@@ -37,6 +37,8 @@ typ, form = sys.argv[1], sys.argv[6]
 n, k, rows, copies = (int(a) for a in sys.argv[2:6])
 if sys.argv[7] == "no-amx":  # the VNNI loop on an AMX host
     ops.set_int8_amx(False)
+if sys.argv[8] != "auto":  # another ISA variant's loops (e.g. AVX2 on an AVX-512 host)
+    ops.configure(cpu_isa=sys.argv[8])
 # values and bytes a block, and where its fp16 scales lie (each set to 2^-7)
 values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
                        "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bursts", type=int, default=30, help="bursts of 12 calls per tree")
     ap.add_argument("--no-amx", action="store_true",
                     help="--form int8 on an AMX host: the VNNI loop at every row count")
+    ap.add_argument("--cpu-isa", default="auto", choices=("auto", "avx512", "avx2", "base"),
+                    help="the kernels' ISA variant in every worker (ops.configure)")
     args = ap.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.trees)
     print(f"starting {len(trees)} workers ({args.copies} x {args.type} [{args.n}, {args.k}])",
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = {
         label: subprocess.Popen(
             [sys.executable, "-c", WORKER, args.type, str(args.n), str(args.k), str(args.rows),
-             str(args.copies), args.form, "no-amx" if args.no_amx else "amx"],
+             str(args.copies), args.form, "no-amx" if args.no_amx else "amx", args.cpu_isa],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             # cwd too: `python -c` puts the working directory first on sys.path
             env=dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_WAIT_POLICY="PASSIVE"),
