@@ -343,7 +343,8 @@ FT_TARGET_VNNI void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, con
 //
 // With AVX-VNNI (Alder Lake and later cores without AVX-512, Sierra Forest) a step is one
 // vpdpbusd a row and half into int32 sums (DP): no int16 sums, no widening, the same integer
-// sums and so the same bits. A K-quant group's sum then takes its scale by vpmulld.
+// sums and so the same bits. A K-quant group's sum then takes its scale by vpmulld, and Q8_0
+// keeps its biased codes (less 128 times x's sums, as the other byte codes).
 FT_TARGET_AVX2 FT_INLINE __m256 no_contract256(__m256 v) {
   asm("" : "+x"(v));
   return v;
@@ -496,7 +497,8 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
       }
       if constexpr (kq && DP) {  // the group's sums times its scales (int32 a lane)
         for (int h = 0; h < 2; ++h) {
-          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * j + 8 * h));
+          const __m128i s8 =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * j + 8 * h));
           const __m256i scv = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
           for (int m = 0; m < MR; ++m)
             I[m][h] = _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(P[m][h], scv));
@@ -592,7 +594,8 @@ FT_TARGET_AVX2 void run_panel_avx2_dp(const uint8_t* data, const PanelInfo& pi, 
   // Q8_0: |q| times sign(q) * x with vpmaddubsw (its int16 pairs); vpdpbusd sums u = q + 128
   // times x in int32, less 128 times x's sums, as the other byte codes
   if constexpr (!DP)
-    if (pi.kind == kByte32 && pi.c == 128) return panel_avx2<kByte32, true, DP>(data, pi, x, M, y, N, bias);
+    if (pi.kind == kByte32 && pi.c == 128)
+      return panel_avx2<kByte32, true, false>(data, pi, x, M, y, N, bias);
   with_kind(pi.kind, [&](auto kind) {
     panel_avx2<decltype(kind)::value, false, DP>(data, pi, x, M, y, N, bias);
   });

@@ -117,8 +117,7 @@ void panel_portable(const uint8_t* data, const PanelInfo& pi, const Acts& x, int
 void run_panel_vnni(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
                     int64_t N, const float* bias);
 void run_panel_avx2(const uint8_t* data, const PanelInfo& pi, const Acts& x, int64_t M, float* y,
-                    int64_t N, const float* bias,
-                    bool avx_vnni);
+                    int64_t N, const float* bias, bool avx_vnni);
 
 // 12 independent register vpdpbusd chains, `iters` rounds (int8_peak_gops); returns 0.
 int32_t vnni_chains(int64_t iters);
