@@ -614,65 +614,41 @@ FT_TARGET_AVX2 void quantize_blocks_avx2(const float* x, int B, const ActsOut& o
   for (int64_t blk = b0; blk < b1; ++blk) quantize_block(x, B, o, blk);
 }
 
+// The bound loops' chains: 12 independent OP (vpdpbusd, with its prefix) on registers 2..13 of
+// file R, the operands in 0 and 1; and what every bound loop clobbers.
+#define FT_DP_CHAIN(OP, R, N) OP " %%" R "0, %%" R "1, %%" R #N "\n\t"
+#define FT_DP_CHAINS(OP, R)                                                                      \
+  FT_DP_CHAIN(OP, R, 2) FT_DP_CHAIN(OP, R, 3) FT_DP_CHAIN(OP, R, 4) FT_DP_CHAIN(OP, R, 5)        \
+  FT_DP_CHAIN(OP, R, 6) FT_DP_CHAIN(OP, R, 7) FT_DP_CHAIN(OP, R, 8) FT_DP_CHAIN(OP, R, 9)        \
+  FT_DP_CHAIN(OP, R, 10) FT_DP_CHAIN(OP, R, 11) FT_DP_CHAIN(OP, R, 12) FT_DP_CHAIN(OP, R, 13)
+#define FT_CHAIN_CLOBBERS                                                                        \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",     \
+      "xmm11", "xmm12", "xmm13", "cc"
+
+// A bound loop of 12 vpdpbusd chains: SETUP sets register 0 of file R to all ones, 1 to its
+// absolute values, then `iters` rounds of FT_DP_CHAINS(OP, R), then TAIL.
+#define FT_DP_BOUND_LOOP(NAME, TARGET, SETUP, OP, R, TAIL)                                     \
+  TARGET __attribute__((noinline)) int32_t NAME(int64_t iters) {                                \
+    if (iters <= 0) return 0;                                                                   \
+    asm volatile(SETUP "vpabsb %%" R "0, %%" R "1\n\t"                                           \
+                       "1:\n\t" FT_DP_CHAINS(OP, R) "dec %0\n\t"                                \
+                       "jnz 1b\n\t" TAIL                                                        \
+                 : "+r"(iters)                                                                  \
+                 :                                                                              \
+                 : FT_CHAIN_CLOBBERS);                                                          \
+    return 0;                                                                                   \
+  }
+
 // The machine's int8 bound: 12 independent vpdpbusd chains on registers (64 products each).
 // NOTE: written in asm: as intrinsics on an array GCC kept the 12 sums on the stack, and the
 // loop measured store forwarding (~360 GOP/s a core, below what the kernel itself reached).
-FT_TARGET_VNNI __attribute__((noinline)) int32_t vnni_chains(int64_t iters) {
-  if (iters <= 0) return 0;
-  asm volatile(
-      "vpternlogd $0xff, %%zmm0, %%zmm0, %%zmm0\n\t"
-      "vpabsb %%zmm0, %%zmm1\n\t"
-      "1:\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm2\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm3\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm4\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm5\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm6\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm7\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm8\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm9\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm10\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm11\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm12\n\t"
-      "vpdpbusd %%zmm0, %%zmm1, %%zmm13\n\t"
-      "dec %0\n\t"
-      "jnz 1b\n\t"
-      : "+r"(iters)
-      :
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-        "xmm10", "xmm11", "xmm12", "xmm13", "cc");
-  return 0;
-}
+FT_DP_BOUND_LOOP(vnni_chains, FT_TARGET_VNNI, "vpternlogd $0xff, %%zmm0, %%zmm0, %%zmm0\n\t",
+                 "vpdpbusd", "zmm", "")
 
 // The bound with AVX-VNNI (no AVX-512): 12 independent vpdpbusd (VEX) chains on registers (32
 // products each).
-FT_TARGET_AVX2 __attribute__((noinline)) int32_t avx_vnni_chains(int64_t iters) {
-  if (iters <= 0) return 0;
-  asm volatile(
-      "vpcmpeqb %%ymm0, %%ymm0, %%ymm0\n\t"
-      "vpabsb %%ymm0, %%ymm1\n\t"
-      "1:\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm2\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm3\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm4\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm5\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm6\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm7\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm8\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm9\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm10\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm11\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm12\n\t"
-      "%{vex%} vpdpbusd %%ymm0, %%ymm1, %%ymm13\n\t"
-      "dec %0\n\t"
-      "jnz 1b\n\t"
-      "vzeroupper\n\t"
-      : "+r"(iters)
-      :
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-        "xmm10", "xmm11", "xmm12", "xmm13", "cc");
-  return 0;
-}
+FT_DP_BOUND_LOOP(avx_vnni_chains, FT_TARGET_AVX2, "vpcmpeqb %%ymm0, %%ymm0, %%ymm0\n\t",
+                 "%{vex%} vpdpbusd", "ymm", "vzeroupper\n\t")
 
 // The bound without VNNI: 6 independent vpmaddubsw (32 products each) summed by vpaddw into 6
 // register accumulators. No AVX2 int8 product loop does less per product: every one needs the
@@ -700,10 +676,13 @@ FT_TARGET_AVX2 __attribute__((noinline)) int32_t avx2_int8_chains(int64_t iters)
       "vzeroupper\n\t"
       : "+r"(iters)
       :
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-        "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+      : FT_CHAIN_CLOBBERS);
   return 0;
 }
+#undef FT_DP_BOUND_LOOP
+#undef FT_DP_CHAIN
+#undef FT_DP_CHAINS
+#undef FT_CHAIN_CLOBBERS
 #endif
 
 bool cpu_has_avx_vnni() {
