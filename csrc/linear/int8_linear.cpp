@@ -241,7 +241,7 @@ at::Tensor multiply(ActStore& store, const Matrix& mat, const at::Tensor& weight
                     const float* b, int64_t M, const at::TensorOptions& f32) {
   at::Tensor y = at::empty({M, mat.N}, f32);
   const bool vnni = use_vnni(), avx2 = use_avx2(), amx = M >= kAmxRows && use_amx();
-  const bool avx_vnni = avx2 && use_avx_vnni();
+  const bool avx_vnni = use_avx_vnni();
   // NOTE: from two tiles of rows: the copy's one base address for the tile's 12 broadcasts saves
   // the loop its row-pointer upkeep (1B-shaped Q4_K / Q6_K: 64 rows 0.81x, 224 rows 0.92-0.95x
   // the time, copy included), while at 8 rows (decode) it bought nothing (1.09x at 2 threads).

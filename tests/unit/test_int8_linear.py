@@ -389,20 +389,21 @@ def test_the_int8_bound_times_the_loop_in_use(isa):
     assert loop == ("tdpbssd (AMX-INT8)" if amx else "vpdpbusd (AVX512-VNNI)" if vnni
                     else "vpdpbusd (AVX-VNNI)" if avx_vnni else "vpmaddubsw+vpaddw (AVX2)")
     assert ops.int8_peak_gops(20_000, 1) > 0
-    if avx_vnni:  # and the vpmaddubsw loop's while AVX-VNNI is forbidden
-        before = ops.set_int8_avx_vnni(False)
-        try:
-            assert ops.int8_bound_loop() == "vpmaddubsw+vpaddw (AVX2)"
-            assert ops.int8_peak_gops(20_000, 1) > 0
-        finally:
-            ops.set_int8_avx_vnni(before)
-    if amx:  # the bound follows the loop: the VNNI one while the AMX loop is forbidden
-        before = ops.set_int8_amx(False)
-        try:
-            assert ops.int8_bound_loop() == "vpdpbusd (AVX512-VNNI)"
-            assert ops.int8_peak_gops(20_000, 1) > 0
-        finally:
-            ops.set_int8_amx(before)
+    # the bound follows the loop: the one below while the faster one is forbidden
+    if avx_vnni:
+        assert_bound_while_forbidden(ops.set_int8_avx_vnni, "vpmaddubsw+vpaddw (AVX2)")
+    if amx:
+        assert_bound_while_forbidden(ops.set_int8_amx, "vpdpbusd (AVX512-VNNI)")
+
+
+def assert_bound_while_forbidden(allow, loop: str) -> None:
+    """With allow(False) (ops.set_int8_amx, ops.set_int8_avx_vnni), the bound times `loop`."""
+    before = allow(False)
+    try:
+        assert ops.int8_bound_loop() == loop
+        assert ops.int8_peak_gops(20_000, 1) > 0
+    finally:
+        allow(before)
 
 
 def assert_amx_matches_vnni(cases, row_counts, threads):
