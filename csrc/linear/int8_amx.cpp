@@ -80,15 +80,21 @@ FT_TARGET_AMX void load_config(const TileConfig& c) {
 // loop, then 1.3x).
 template <int KIND>
 FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, uint8_t* buf) {
-  static_assert(kKinds[KIND].unit == 32 && kKinds[KIND].codes == kNib);
+  constexpr bool lut = kKinds[KIND].codes == kLut;
+  static_assert(kKinds[KIND].unit == 32 && (kKinds[KIND].codes == kNib || lut));
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* codes = data + u * unit_bytes(KIND);
     uint8_t* out = buf + u * 512;
     for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
       const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-      _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, low4));
-      _mm512_store_si512(out + 256 + 64 * t, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (lut) {
+        lo = _mm512_shuffle_epi8(iq4_codes512(), lo);
+        hi = _mm512_shuffle_epi8(iq4_codes512(), hi);
+      }
+      _mm512_store_si512(out + 64 * t, lo);
+      _mm512_store_si512(out + 256 + 64 * t, hi);
     }
   }
 }
@@ -198,7 +204,8 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
 }
 
 // A K-quant group's codes times its integer scales, as tile operands. A product code * sc fits
-// 16 bits (Q4_K / Q5_K: 0..1953; Q6_K: (codes - c) * sc, -4064..4096), not 8: its low byte
+// 16 bits (Q4_K / Q5_K: 0..1953; Q2_K 0..45; the offset kinds (codes - c) * sc: Q6_K
+// -4064..4096, Q3_K -128..128, IQ4_XS -4064..4064), not 8: its low byte
 // (unsigned) goes to lo, its high byte (signed) to hi, and codes . x times sc = (lo . x) + 256
 // (hi . x), the same int32 as the VNNI loop's add_scaled (Q6_K: less c * sc times x's sums, the
 // offset that the VNNI loop's step takes off). Per 64 codes: two vpmaddubsw (even and odd bytes
@@ -217,15 +224,20 @@ FT_TARGET_AMX FT_INLINE void widen_group(const uint8_t* unit, int j, int32_t c, 
   const __m512i low4 = _mm512_set1_epi8(15), low_byte = _mm512_set1_epi16(0x00FF);
   const uint8_t* codes = unit + head_bytes(KIND) + j * group_bytes(KIND);
   __m512i v[8];  // row-blocks of 64 bytes (4 codes an output), in B-tile order
-  if constexpr (ki.codes == kNib) {
+  if constexpr (ki.codes == kNib || ki.codes == kLut) {
     for (int t = 0; t < 4; ++t) {
       const __m512i n = _mm512_loadu_si512(codes + 64 * t);
       v[t] = _mm512_and_si512(n, low4);
       v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low4);
+      if constexpr (ki.codes == kLut) {
+        v[t] = _mm512_shuffle_epi8(iq4_codes512(), v[t]);
+        v[t + 4] = _mm512_shuffle_epi8(iq4_codes512(), v[t + 4]);
+      }
     }
-  } else if constexpr (ki.codes == kSix) {
+  } else if constexpr (ki.codes == kSix || ki.codes == kTwo || ki.codes == kThree) {
     __m512i s[4];
-    six_bit_steps(codes, s);
+    if constexpr (ki.codes == kSix) six_bit_steps(codes, s);
+    else low_bit_steps<ki.codes>(codes, s);
     for (int t = 0; t < 4; ++t) v[t] = s[t];
   } else {
     for (int t = 0; t < ROWS; ++t) v[t] = _mm512_loadu_si512(codes + 64 * t);
@@ -309,8 +321,14 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
     I[m] = _mm512_add_epi32(_mm512_load_si512(lo + m * kPanel),
                             _mm512_slli_epi32(_mm512_load_si512(hi + m * kPanel), 8));
   const int64_t units = x.K / 256;
-  const PackedRowsX rows{x.sd + ((m0 / kRows * units + u) * kRows + m0 % kRows) * kSdRowBytes};
-  superblock_step<MR, KIND, true>(unit, c, rows, I, out);
+  if constexpr (kKinds[KIND].scales == kK4 && kKinds[KIND].group == 16) {
+    // Q2_K's mins read x's sums of 16, which Acts::sd does not hold (its rows are padded to
+    // whole tiles, as Acts::qa_rows)
+    superblock_step<MR, KIND, true>(unit, c, RowsX(x, m0, u, false), I, out);
+  } else {
+    const PackedRowsX rows{x.sd + ((m0 / kRows * units + u) * kRows + m0 % kRows) * kSdRowBytes};
+    superblock_step<MR, KIND, true>(unit, c, rows, I, out);
+  }
 }
 
 // A K-quant panel's steps still to do: superblock u's, for RT row tiles from row m0, their sums

@@ -38,11 +38,9 @@ FT_INLINE float superblock_portable(const uint8_t* unit, int kind, int o, int32_
     int32_t P = 0;
     for (int k = 0; k < G; ++k) P += gr.code(o, k) * xq[j * G + k];
     I += gr.sc(o) * P;
-    if (k4) {
-      S += gr.mn(o) * x.s32[m * (x.K / 32) + u * 8 + j];
-    } else {
-      S += gr.sc(o) * x.s16[m * (x.K / 16) + u * 16 + j];
-    }
+    const int32_t sx = G == 32 ? x.s32[m * (x.K / 32) + u * 8 + j]   // x's sum over the group
+                               : x.s16[m * (x.K / 16) + u * 16 + j];
+    S += (k4 ? gr.mn(o) : gr.sc(o)) * sx;
   }
   if (!k4) I -= c * S;
   const float dx = x.d[m * (x.K / kXBlock) + u * 8];
@@ -211,12 +209,16 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
                                          int64_t k0, __m512i (&P)[MR]) {
   constexpr KindInfo ki = kKinds[KIND];
   const __m512i low4 = _mm512_set1_epi8(15);
-  if constexpr (ki.codes == kNib) {
+  if constexpr (ki.codes == kNib || ki.codes == kLut) {
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(codes + 64 * t);
-      const __m512i lo = _mm512_and_si512(v, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      __m512i lo = _mm512_and_si512(v, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (ki.codes == kLut) {
+        lo = _mm512_shuffle_epi8(iq4_codes512(), lo);
+        hi = _mm512_shuffle_epi8(iq4_codes512(), hi);
+      }
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         P[m] = dot4(P[m], lo, x_at<TILED>(x, m0, m, k0 + 4 * t));
@@ -232,7 +234,8 @@ FT_TARGET_VNNI FT_INLINE void group_dots(const uint8_t* codes, const Acts& x, in
     }
   } else {
     __m512i v[4];
-    six_bit_steps(codes, v);
+    if constexpr (ki.codes == kSix) six_bit_steps(codes, v);
+    else low_bit_steps<ki.codes>(codes, v);
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 16
@@ -291,7 +294,7 @@ FT_TARGET_VNNI FT_INLINE void panel_rows_vnni_k(const uint8_t* data, int32_t c, 
       group_dots<MR, KIND, TILED>(codes, x, m0, u * 256 + j * G, P);
       add_scaled<MR, KIND>(unit, j, P, I);
     }
-    superblock_step<MR, KIND>(unit, c, RowsX(x, m0, u, kKinds[KIND].scales == kK4), I, acc_out);
+    superblock_step<MR, KIND>(unit, c, RowsX(x, m0, u, G == 32), I, acc_out);
   }
 }
 
@@ -368,12 +371,35 @@ FT_TARGET_AVX2 FT_INLINE __m256i load_half(const uint8_t* p, int h) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
 }
 
-// Steps of a kind's unsigned codes whose int16 pair sums cannot overflow (the comment above):
-// 4-bit codes 8 (a whole group), 5-bit (Q5_0, Q5_1, Q5_K) 4, 6-bit (Q6_K) 2.
+// Steps of a kind's unsigned codes whose int16 pair sums cannot overflow (the comment above),
+// at most a group's: 4-bit codes 8 (a whole group), 5-bit (Q5_0, Q5_1, Q5_K) 4, 6-bit (Q6_K) 2,
+// 2- and 3-bit (Q2_K, Q3_K) 4 (a whole group of 16).
 template <int KIND>
 constexpr int int16_steps() {
-  constexpr int max_code = kKinds[KIND].codes == kNib ? 15 : kKinds[KIND].codes == kByte ? 31 : 63;
-  return 127 / max_code >= 8 ? 8 : 127 / max_code >= 4 ? 4 : 2;
+  constexpr int max_code = kKinds[KIND].codes == kByte ? 31 : (1 << code_bits(KIND)) - 1;
+  constexpr int n = 127 / max_code >= 8 ? 8 : 127 / max_code >= 4 ? 4 : 2;
+  return n < kKinds[KIND].group / 4 ? n : kKinds[KIND].group / 4;
+}
+
+// A 2-bit or 3-bit group's codes (low_bit_steps' layout) for half h: vector s holds codes
+// 4 s .. 4 s + 3 of outputs 8 h .. 8 h + 7.
+template <int CODES>
+FT_TARGET_AVX2 FT_INLINE void low_bit_steps_avx2(const uint8_t* codes, int h, __m256i (&v)[4]) {
+  const __m256i low2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+  const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * h));
+  v[0] = _mm256_and_si256(plane, low2);
+  v[1] = _mm256_and_si256(_mm256_srli_epi16(plane, 2), low2);
+  v[2] = _mm256_and_si256(_mm256_srli_epi16(plane, 4), low2);
+  v[3] = _mm256_and_si256(_mm256_srli_epi16(plane, 6), low2);
+  if constexpr (CODES == kThree) {
+    const __m256i w = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 64 + 16 * h)));
+    const __m256i hb = _mm256_or_si256(w, _mm256_slli_epi16(w, 4));
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit2));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit2));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(hb, bit2));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit2));
+  }
 }
 
 // Half h (outputs 8 h .. 8 h + 7) of groups 2 p and 2 p + 1 of a unit's 8-bit numbers (at g) as
@@ -396,8 +422,9 @@ FT_TARGET_AVX2 FT_INLINE __m256i scale_pairs_avx2(const uint8_t* sc, int h, bool
 // Rows [m0, m0 + MR) against one panel; acc_out [MR][16]. A 4-code step is vpmaddubsw per row
 // and half onto int16 sums Q, widened every int16_steps steps by vpmaddwd: by ones into the
 // group's int32 sums P, or, for a K-quant, by the group's scale pairs straight into the
-// superblock's sum I (sc * P, no vpmulld). SIGNED: Q8_0's codes, one step at a time. DP: each
-// step one vpdpbusd into the group's int32 sums P (AVX-VNNI), a K-quant's then times its scales.
+// superblock's sum I (sc * P, no vpmulld). SIGNED: codes offset by 128 (Q8_0, IQ4_NL, IQ4_XS),
+// one step at a time, the offset taken off the codes (no sums of x). DP: each step one vpdpbusd
+// into the group's int32 sums P (AVX-VNNI), a K-quant's then times its scales.
 template <int MR, int KIND, bool SIGNED, bool DP>
 FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, int64_t units,
                                               const Acts& x, int64_t m0, float* acc_out) {
@@ -405,7 +432,9 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
   constexpr int G = ki.group, PER = ki.unit / G;
   constexpr bool kq = ki.unit == 256, k4 = ki.scales == kK4;
   constexpr int n16 = SIGNED ? 1 : int16_steps<KIND>();
-  static_assert(!SIGNED || (KIND == kByte32 && !kq), "only Q8_0's codes are signed");
+  static_assert(!SIGNED || KIND == kByte32 || ki.codes == kLut, "codes offset by 128");
+  // a K-quant's sums of x over its groups, for its mins or its offset
+  constexpr bool second_sum = k4 || !SIGNED;
   const int64_t ld16 = x.K / 16, ld32 = x.K / kXBlock;
   const __m256i low4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
   const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -477,9 +506,25 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
           step(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
                _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), 16 + 4 * t);
         }
+      } else if constexpr (ki.codes == kLut) {
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
+        const auto look = [&](__m256i v) FT_TARGET_AVX2 __attribute__((always_inline)) {
+          return _mm256_shuffle_epi8(table, v);
+        };
+        for (int t = 0; t < 4; ++t) {
+          const __m256i v0 = load_half(codes + 64 * t, 0), v1 = load_half(codes + 64 * t, 1);
+          step(look(_mm256_and_si256(v0, low4)), look(_mm256_and_si256(v1, low4)), 4 * t);
+          step(look(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4)),
+               look(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)), 16 + 4 * t);
+        }
       } else if constexpr (ki.codes == kByte) {
         for (int t = 0; t < G / 4; ++t)
           step(load_half(codes + 64 * t, 0), load_half(codes + 64 * t, 1), 4 * t);
+      } else if constexpr (ki.codes == kTwo || ki.codes == kThree) {
+        __m256i v[2][4];
+        for (int h = 0; h < 2; ++h) low_bit_steps_avx2<ki.codes>(codes, h, v[h]);
+        for (int t = 0; t < 4; ++t) step(v[0][t], v[1][t], 4 * t);
       } else {
         for (int t = 0; t < 4; ++t) {
           __m256i v[2];
@@ -527,11 +572,11 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
       for (int h = 0; h < 2; ++h) {
         __m256i S[MR];
         for (int m = 0; m < MR; ++m) S[m] = _mm256_setzero_si256();
-        for (int p = 0; p < PER / 2; ++p) {
-          const __m256i pairs = group_pairs_avx2(k4 ? unit + kMinOffset : sc, p, h, !k4);
+        for (int p = 0; second_sum && p < PER / 2; ++p) {
+          const __m256i pairs = group_pairs_avx2(k4 ? unit + min_offset(KIND) : sc, p, h, !k4);
           for (int m = 0; m < MR; ++m) {
-            const int16_t* sx = k4 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
-                                   : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p;
+            const int16_t* sx = G == 32 ? x.s32 + (m0 + m) * ld32 + u * 8 + 2 * p
+                                        : x.s16 + (m0 + m) * ld16 + u * 16 + 2 * p;
             int32_t word;
             std::memcpy(&word, sx, 4);
             S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(pairs, _mm256_set1_epi32(word)));
@@ -545,7 +590,7 @@ FT_TARGET_AVX2 FT_INLINE void panel_rows_avx2(const uint8_t* data, int32_t c, in
         for (int m = 0; m < MR; ++m) {
           const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * ld32 + u * 8]);
           __m256i Iv = I[m][h];
-          if constexpr (!k4)
+          if constexpr (!k4 && second_sum)
             Iv = _mm256_sub_epi32(Iv, _mm256_mullo_epi32(S[m], _mm256_set1_epi32(c)));
           const __m256 t = no_contract256(_mm256_mul_ps(d, dx));
           acc[m][h] = _mm256_add_ps(
@@ -570,7 +615,8 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
   // time of 2 rows); the wider codes keep 2, whose sums already fill the 16 registers, except
   // with AVX-VNNI (no int16 sums: 4 rows took Q6_K 0.86-0.92x the time of 2 at 8-224 rows, Q5_K
   // at 8 rows 0.82-0.85x, level from 64).
-  constexpr int kRows = kKinds[KIND].codes == kNib || DP ? 4 : 2;
+  constexpr int kCodes = kKinds[KIND].codes;
+  constexpr int kRows = kCodes == kNib || kCodes == kTwo || kCodes == kThree || DP ? 4 : 2;
   alignas(32) float acc[4 * kPanel];
   const int64_t units = x.K / kKinds[KIND].unit;
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -591,13 +637,15 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
 template <bool DP>
 FT_TARGET_AVX2 void run_panel_avx2_dp(const uint8_t* data, const PanelInfo& pi, const Acts& x,
                                       int64_t M, float* y, int64_t N, const float* bias) {
-  // Q8_0: |q| times sign(q) * x with vpmaddubsw (its int16 pairs); vpdpbusd sums u = q + 128
-  // times x in int32, less 128 times x's sums, as the other byte codes
+  // Q8_0, IQ4: |q| times sign(q) * x with vpmaddubsw (its int16 pairs); vpdpbusd sums u =
+  // q + 128 times x in int32, less 128 times x's sums, as the other byte codes
   if constexpr (!DP)
     if (pi.kind == kByte32 && pi.c == 128)
       return panel_avx2<kByte32, true, false>(data, pi, x, M, y, N, bias);
   with_kind(pi.kind, [&](auto kind) {
-    panel_avx2<decltype(kind)::value, false, DP>(data, pi, x, M, y, N, bias);
+    constexpr int KIND = decltype(kind)::value;
+    constexpr bool is_signed = !DP && kKinds[KIND].codes == kLut;
+    panel_avx2<KIND, is_signed, DP>(data, pi, x, M, y, N, bias);
   });
 }
 

@@ -8,12 +8,15 @@
 //
 // The weight: every GGUF format whose weight is w = a * (u - c) + b with an unsigned integer code
 // u, per-group fp32 a and b (b = 0 where the format has no min) and a per-format integer offset c
-// (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32, else 0) is repacked at load, 16 outputs at a time, so that
+// (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32, Q3_K 4, IQ4_NL and IQ4_XS 128 (u = the table's value +
+// 128), else 0) is repacked at load, 16 outputs at a time, so that
 // one 64-byte vector holds 4 consecutive codes of each of the 16 outputs: VNNI's vpdpbusd then
 // adds 4 products per output lane, and the 16 lanes are 16 outputs (no horizontal sums). The
-// codes keep their width (4-bit two a byte; 6-bit as a 4-bit and a 2-bit plane; 5-bit in a
-// byte) and the scales stay the file's own numbers (fp16 d, 6-bit or int8 group scales), so
-// the copy is about the file's size (Q4_K 4.6 bits a weight, Q6_K 6.6, Q8_0 8.5, Q5_x 8.5-9);
+// codes keep their width (4-bit two a byte; 6-bit as a 4-bit and a 2-bit plane; 3-bit as a 2-bit
+// and a 1-bit plane; 2-bit four a byte; 5-bit in a byte; IQ4's 4-bit indices, looked up in
+// registers) and the scales stay the file's own numbers (fp16 d, 4-bit, 6-bit or int8 group
+// scales in a byte), so the copy is about the file's size (Q4_K 4.6 bits a weight, Q6_K 6.6,
+// Q8_0 8.5, Q5_x 8.5-9, Q3_K 3.6, Q2_K 3.1, IQ4_XS 4.3, IQ4_NL 4.5);
 // a and b are computed from them as the dequantization does (gguf_blocks.h), so a * (u - c) + b
 // is each dequantized weight bit for bit (tested). The repacked copy is the one copy in use
 // (the file's pages are only read while packing).
@@ -21,19 +24,19 @@
 // The arithmetic, for row m and output n (integer sums exact, then fp32 without FMA contraction,
 // so a NumPy reference reproduces it bit for bit, and no input but the row itself changes it:
 // the same bits for any row count, rows beside it, thread count or ISA).
-//  * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (x per 32): q[m, k] = rint(x[m, k] * (127 / amax)) and
+//  * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (x per 32): q[m, k] = rint(x[m, k] * (127 / amax)) and
 //    d = amax / 127 over x's 32; S_g = sum_{k in g} q[m, k]. In increasing group order g:
 //      P   = sum_{k in g} u[n, k] * q[m, k] - c * S_g                       (int32)
 //      acc = acc + float(P) * (a[n, g] * d)
 //      acc = acc + b[n, g] * (d * float(S_g))                             (formats with a min)
-//  * Q4_K, Q5_K, Q6_K (x per 256, as llama.cpp's Q8_K: one d a superblock, so its groups' sums
+//  * Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS (x per 256, as llama.cpp's Q8_K: one d a superblock, so its groups' sums
 //    combine in integer), with the superblock's fp16 d[n] (and dmin[n]) and its groups' integer
 //    scales sc[n, g] (and mins mn[n, g]), a = d * sc and b = -(dmin * mn), in increasing
 //    superblock order:
 //      I   = sum_g sc[n, g] * sum_{k in g} u[n, k] * q[m, k]                (int32)
-//      Q4_K, Q5_K:  T = sum_g mn[n, g] * S_g;   Q6_K:  I = I - c * sum_g sc[n, g] * S_g
+//      with a min:  T = sum_g mn[n, g] * S_g;   else:  I = I - c * sum_g sc[n, g] * S_g
 //      acc = acc + float(I) * (d[n] * d)
-//      acc = acc + float(T) * ((-dmin[n]) * d)                            (Q4_K, Q5_K)
+//      acc = acc + float(T) * ((-dmin[n]) * d)                            (Q4_K, Q5_K, Q2_K)
 //    (A format of 32 in the same matrix reads the 256 block's d for each of its 32s.)
 //    NOTE: why a superblock at a time: on Zen 5 vpdpbusd shares its two pipes with vmulps,
 //    vpmulld and vpdpwssd (and, add, shift and convert run beside it), so a group's fp32 steps
@@ -169,12 +172,18 @@ void amx_rows(ActStore& s) {
   });
 }
 
-// The activation store for M rows of K values.
+// The activation store for M rows of K values. d and s16 hold whole tiles of 16 rows, zeros past
+// M: the AMX loop's Q2_K steps read them for every row of its last tile (Acts::qa_rows).
 ActStore empty_acts(int64_t M, int64_t K, const at::TensorOptions& f32) {
-  const int64_t B32 = K / kXBlock;
+  const int64_t B32 = K / kXBlock, tiled = (M + 15) / 16 * 16;
   const auto i16 = f32.dtype(at::kShort);
-  return {at::empty({M, K}, f32.dtype(at::kChar)), at::empty({M, B32}, f32),
-          at::empty({M, 2 * B32}, i16), at::empty({M, B32}, i16), at::empty({M, B32}, f32)};
+  at::Tensor d = at::empty({tiled, B32}, f32), s16 = at::empty({tiled, 2 * B32}, i16);
+  if (tiled > M) {
+    d.narrow(0, M, tiled - M).zero_();
+    s16.narrow(0, M, tiled - M).zero_();
+  }
+  return {at::empty({M, K}, f32.dtype(at::kChar)), d, s16, at::empty({M, B32}, i16),
+          at::empty({M, B32}, f32)};
 }
 
 ActsOut acts_out(const ActStore& s) {
@@ -448,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x, int64
                     "int8_quantize_rows: x must be a contiguous [M, K] fp32 CPU tensor, K a "
                     "multiple of ", block);
   ActStore s = quantize(x, static_cast<int>(block));
-  return {s.q, s.d};
+  return {s.q, s.d.narrow(0, 0, x.size(0))};
 }
 
 at::Tensor int8_matrix_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -74,6 +74,34 @@ FT_TARGET_VNNI FT_INLINE void six_bit_steps(const uint8_t* codes, __m512i (&v)[4
   v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), hi2));
 }
 
+// IQ4's indices (kLut) become their codes by vpshufb from kIq4Codes in every 128-bit lane.
+FT_TARGET_VNNI FT_INLINE __m512i iq4_codes512() {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
+}
+
+// A 2-bit or 3-bit group's 16 codes an output (CODES kTwo / kThree) as four vectors of bytes,
+// vector s holding codes 4 s .. 4 s + 3 of each output: bits 2 s, 2 s + 1 of the 2-bit plane,
+// and kThree's third bits, whose 32 bytes widen to a vector whose byte 4 o + j holds them at
+// bits 0..3 (byte 2 o + (j >> 1) to 16-bit lane, its high nibble to the lane's high byte).
+template <int CODES>
+FT_TARGET_VNNI FT_INLINE void low_bit_steps(const uint8_t* codes, __m512i (&v)[4]) {
+  const __m512i low2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+  const __m512i plane = _mm512_loadu_si512(codes);
+  v[0] = _mm512_and_si512(plane, low2);
+  v[1] = _mm512_and_si512(_mm512_srli_epi16(plane, 2), low2);
+  v[2] = _mm512_and_si512(_mm512_srli_epi16(plane, 4), low2);
+  v[3] = _mm512_and_si512(_mm512_srli_epi16(plane, 6), low2);
+  if constexpr (CODES == kThree) {
+    const __m512i w = _mm512_maskz_cvtepu8_epi16(
+        0xFFFFFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64)));
+    const __m512i h = _mm512_or_si512(w, _mm512_slli_epi16(w, 4));
+    v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit2));
+    v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit2));
+    v[2] = _mm512_or_si512(v[2], _mm512_and_si512(h, bit2));
+    v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit2));
+  }
+}
+
 // A 32-value group's fp32 step for rows [m0, m0 + MR): P[m] = the group's codes . x's 32 at
 // group g32 (without the offset c, subtracted here), codes = the group's bytes in the panel.
 //   acc = acc + float(P - c * S) * (a * d)        acc = acc + b * (d * float(S))  (a min)
@@ -112,8 +140,8 @@ FT_TARGET_VNNI FT_INLINE void add_scaled(const uint8_t* unit, int j, const __m51
   for (int m = 0; m < MR; ++m) I[m] = _mm512_add_epi32(I[m], _mm512_mullo_epi32(P[m], scv));
 }
 
-// Where a superblock's step reads x's rows m0.. (row m): its sums (K-quants with mins: 8 sums of
-// 32; Q6_K: 16 sums of 16) and its d. From Acts' row-major arrays (RowsX), or from Acts::sd
+// Where a superblock's step reads x's rows m0.. (row m): its sums (over its groups: 8 sums of 32
+// or 16 of 16) and its d. From Acts' row-major arrays (RowsX), or from Acts::sd
 // (PackedRowsX: rows kSdRowBytes apart, constants the addressing takes as displacements: the
 // AMX loop's 224-row Q4_K 8192 x 2048 0.95x the time of RowsX, 2048 x 8192 0.75x / 0.84x (two
 // threads / one), whose rows' sums lay 512 bytes apart).
@@ -146,8 +174,8 @@ struct PackedRowsX {
 
 // A K-quant superblock's fp32 step for MR rows (x's at rows, see RowsX), superblock unit, after
 // its groups' integer sum I[m] = sum_g sc[g] * (codes . x) (no offset): the second integer sum
-// (Q4_K / Q5_K the mins times x's sums of 32; Q6_K c times its scales times x's sums of 16, the
-// offset), then acc_out [MR][16] (L1) += the superblock's fp32 terms. OFFSET_IN_I: Q6_K's I[m]
+// (Q4_K / Q5_K / Q2_K the mins times x's group sums; Q6_K / Q3_K / IQ4_XS c times its scales
+// times them, the offset), then acc_out [MR][16] (L1) += the superblock's fp32 terms. OFFSET_IN_I: Q6_K's I[m]
 // already holds sum_g sc[g] * ((codes - c) . x) (the AMX loop's scaled codes), the same int32
 // as I - S.
 // NOTE: x's rows through locals (rows), not Acts& x: a vector store may alias x's fields, so GCC
@@ -163,7 +191,7 @@ FT_TARGET_VNNI FT_INLINE void superblock_step(const uint8_t* unit, int32_t c, co
   constexpr bool second_sum = k4 || !OFFSET_IN_I;
 #pragma GCC unroll 16
   for (int p = 0; second_sum && p < PER / 2; ++p) {
-    __m512i pairs = group_pairs<!k4>(k4 ? unit + kMinOffset : sc, p);
+    __m512i pairs = group_pairs<!k4>(k4 ? unit + min_offset(KIND) : sc, p);
     // Q6_K: c * sc in the pairs (32 x [-128, 127] fits int16), once a superblock, not a
     // vpmulld (two uops) a row.
     if constexpr (!k4) pairs = _mm512_mullo_epi16(pairs, _mm512_set1_epi16(int16_t(c)));

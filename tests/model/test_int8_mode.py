@@ -21,7 +21,8 @@ from freetoken.testing.gguf_files import write
 pytestmark = pytest.mark.skipif(not ops.int8_matrix_available("Q4_K"), reason="needs freetoken._C")
 
 BLOCK_SIZE = 16
-INT8_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "q4_k_m"]
+INT8_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                "IQ4_NL", "IQ4_XS", "q4_k_m"]
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    ",
          "Once upon a time, in a small village,", "Translate to German: I like apples.",
          "Review: the food was cold and the waiter rude. Sentiment:", "2 + 2 =",
@@ -47,7 +48,7 @@ def random_prompts(n_tokens=(5, 17, 40, 90), vocab: int = 49152) -> list[list[in
 
 
 @pytest.mark.parametrize("shape,fmt", [("tiny", f) for f in INT8_FORMATS]
-                         + [("tiny-qwen2", f) for f in ("Q4_K", "q4_k_m", "Q8_0")])
+                         + [("tiny-qwen2", f) for f in ("Q4_K", "q4_k_m", "Q8_0", "IQ4_XS")])
 def test_tiny_model_int8_is_close_to_exact(tmp_path, shape, fmt, ops_config):
     path = tmp_path / f"{shape}.{fmt}.gguf"
     write(str(path), shape, fmt, seed=3)

@@ -19,12 +19,14 @@ import freetoken.ops as ops
 pytestmark = pytest.mark.skipif(not ops.int8_matrix_available("Q4_K"),
                                 reason="needs freetoken._C")
 
-INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-GROUP = {"Q6_K": 16}  # weights a scale; 32 for the rest
-MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = a * u + b; the rest a * (u - c)
+INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+              "IQ4_NL", "IQ4_XS")
+GROUP = {"Q6_K": 16, "Q2_K": 16, "Q3_K": 16}  # weights a scale; 32 for the rest
+MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # w = a * u + b; the rest a * (u - c)
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # summed in integer over a superblock of 256
+# summed in integer over a superblock of 256
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 
 
 def quantize_ref(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +65,7 @@ def linear_ref(x: np.ndarray, u: np.ndarray, a: np.ndarray, b: np.ndarray, c: np
             dx = d[:, s * 8][:, None]
             t = (sd[None, :, s] * dx).astype(np.float32)
             acc = (acc + (i.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
-            if type_ != "Q6_K":
+            if type_ in MIN_TYPES:
                 t2 = (-smin[None, :, s] * dx).astype(np.float32)
                 acc = (acc + (mins.astype(np.float32) * t2).astype(np.float32)).astype(np.float32)
         return acc
@@ -146,7 +148,7 @@ def test_codes_and_scales_are_the_dequantized_weights(type_):
         s = np.arange(k // 16) // 16
         np.testing.assert_array_equal(a, (d[:, s] * sc.astype(np.float32)).astype(np.float32))
         np.testing.assert_array_equal(b, -(dmin[:, s] * mn.astype(np.float32)).astype(np.float32))
-        assert (sc != 0).any() and (type_ == "Q6_K" or (mn != 0).any())
+        assert (sc != 0).any() and (type_ not in MIN_TYPES or (mn != 0).any())
     else:
         assert not d.any() and not sc.any()
 
@@ -202,16 +204,18 @@ def test_rows_that_share_l1_sets_are_the_reference_bits(isa, type_):
 
 # Where each format's fp16 scales lie in its block (set finite below; 0xFF bytes elsewhere).
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
+           "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def largest_codes(type_: str, k: int, seed: int):
-    """21 rows of type_ whose every byte is 0xFF (Q8_0: 0x80, codes of -128) but the fp16
-    scales (2^-7): every code at its largest, and the K4 formats' integer scales (Q6_K's int8
-    scales are then -1). Returns (rows, their blocks)."""
+    """21 rows of type_ whose every byte is 0xFF (Q8_0: 0x80, codes of -128; IQ4: 0x00, the
+    table's -127 and IQ4_XS's scale -32) but the fp16 scales (2^-7): every code at its largest,
+    and the K4 formats' integer scales (Q6_K's int8 scales are then -1, Q3_K's 31). Returns
+    (rows, their blocks)."""
     rows = random_rows(type_, 21, k, seed=seed)
     blocks = rows.reshape(21, k // block_of(type_), -1)
-    blocks[:] = 0x80 if type_ == "Q8_0" else 0xFF
+    blocks[:] = 0x80 if type_ == "Q8_0" else 0x00 if type_.startswith("IQ4") else 0xFF
     for at in FP16_AT[type_]:
         blocks[:, :, at], blocks[:, :, at + 1] = 0x00, 0x20
     return rows, blocks
@@ -245,12 +249,16 @@ def test_the_largest_sums_are_exact(isa, type_):
 def test_the_largest_scaled_codes_are_exact(isa, type_):
     """The AMX loop multiplies a K-quant's codes by their integer scale before the tile products
     (a product in two byte planes, lo + 256 hi): every code at its largest against the largest
-    scales of either sign (Q6_K: -128 and 127), x at +-127, 48 rows (a pair of row tiles and
-    one alone). The reference's bits, and the VNNI loop's."""
+    scales of either sign (Q6_K: -128 and 127; Q3_K, IQ4_XS: -32 and 31), x at +-127, 48 rows
+    (a pair of row tiles and one alone). The reference's bits, and the VNNI loop's."""
     k = 512
     rows, blocks = largest_codes(type_, k, seed=13)
     if type_ == "Q6_K":  # its 16 int8 scales at 192..207
         blocks[:, :, 192:208:2], blocks[:, :, 193:208:2] = 0x80, 0x7F
+    if type_ == "Q3_K":  # 6-bit scales at 96..107: groups 0-7 63 (31), 8-15 0 (-32)
+        blocks[:, :, 96:108] = 0x0F
+    if type_ == "IQ4_XS":  # 6-bit scales at 2..7: even groups 0 (-32), odd 63 (31)
+        blocks[:, :, 2:4], blocks[:, :, 4:8] = 0xCC, 0xF0
     weight, _ = int8_matrix([(type_, rows)], k)
     x = unit_signs(48, k)
     y = ops.panel_linear(x, weight)
