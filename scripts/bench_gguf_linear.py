@@ -11,7 +11,7 @@ registers, --threads threads, best of 5) and each int8 rate is also given as its
 
     OMP_WAIT_POLICY=PASSIVE python3 scripts/bench_gguf_linear.py [--model F.gguf]
         [--rows 1 8 64 224] [--layers N] [--types Q6_K ...] [--threads 2] [--no-panels]
-        [--int8] [--no-amx]
+        [--int8] [--no-amx] [--cpu-isa avx2] [--no-avx-vnni]
 
 --layers: only the first N layers (the fp32 panels of a 1B file are ~4 GB); --types: only the
 matrices of these GGUF types; --no-panels: no fp32 panels. Progress goes to stderr; stdout
@@ -88,10 +88,18 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="the int8 mode too, and its bound")
     ap.add_argument("--no-amx", action="store_true",
                     help="the int8 mode without its AMX loop (the VNNI loop and bound instead)")
+    ap.add_argument("--cpu-isa", default="auto", choices=("auto", "avx512", "avx2", "base"),
+                    help="every loop at this ISA variant (e.g. AVX2 on an AVX-512 host)")
+    ap.add_argument("--no-avx-vnni", action="store_true",
+                    help="the int8 AVX2 loop by vpmaddubsw where the CPU has AVX-VNNI")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cpu_isa != "auto":
+        ops.configure(cpu_isa=args.cpu_isa)
     if args.no_amx and ops.int8_amx_available():
         ops.set_int8_amx(False)
+    if args.no_avx_vnni:
+        ops.set_int8_avx_vnni(False)
     path = args.model or str(default_model_path())
     bound = None
     if args.int8:

@@ -102,11 +102,18 @@ def find_llama_server() -> str | None:
     return found[-1] if found else None
 
 
-def build_llama_server(jobs: int) -> str:
-    exe = find_llama_server()
-    if exe:
-        log(f"llama-server cached: {exe}")
-        return exe
+NO_AMX = "-mno-amx-int8 -mno-amx-tile"
+# llama.cpp's cmake configuration here (scripts/requantize.py configures the same folder).
+LLAMA_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_C_FLAGS={NO_AMX}",
+                     f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+
+
+def llama_cpp_tree() -> tuple[str, str]:
+    """(version, llama.cpp source folder) of the llama-cpp-python sdist in CACHE, downloaded
+    and unpacked where missing (scripts/requantize.py builds llama-quantize from it too)."""
     src = os.path.join(CACHE, "src")
     os.makedirs(src, exist_ok=True)
     if not glob.glob(os.path.join(src, "llama_cpp_python-*.tar.gz")):
@@ -118,7 +125,15 @@ def build_llama_server(jobs: int) -> str:
     if not os.path.isdir(tree):
         with tarfile.open(sdist) as t:
             t.extractall(src, filter="data")
-    llama = os.path.join(tree, "vendor", "llama.cpp")
+    return ver, os.path.join(tree, "vendor", "llama.cpp")
+
+
+def build_llama_server(jobs: int) -> str:
+    exe = find_llama_server()
+    if exe:
+        log(f"llama-server cached: {exe}")
+        return exe
+    ver, llama = llama_cpp_tree()
     build = os.path.join(CACHE, f"build-{ver}-noamx")
     # No network at build time: no curl, no OpenSSL, no prebuilt web UI download.
     # NOTE: -march=native turns on ggml's AMX backend where the CPU has AMX-INT8, and on
@@ -126,12 +141,7 @@ def build_llama_server(jobs: int) -> str:
     # (llama.cpp issue #20824, open). Without it llama-server computes with its AVX-512 VNNI
     # int8 dot products and keeps its CPU repacking (the Q8_0 output weights). On CPUs without
     # AMX the flags change nothing.
-    no_amx = "-mno-amx-int8 -mno-amx-tile"
-    sh(["nice", "-n", "19", "cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
-        "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-        "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"])
+    sh(["nice", "-n", "19", "cmake", "-S", llama, "-B", build, *LLAMA_CMAKE_FLAGS])
     t0 = time.time()
     sh(["nice", "-n", "19", "cmake", "--build", build, "--target", "llama-server",
         "-j", str(jobs)])

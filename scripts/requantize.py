@@ -36,17 +36,15 @@ with Q2_K / Q3_K ffn_down weights.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter, defaultdict
 
 import numpy as np
-from compare_peers import CACHE, log, sh
+from compare_peers import CACHE, LLAMA_CMAKE_FLAGS, llama_cpp_tree, log, sh
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
@@ -56,12 +54,6 @@ from freetoken.loader import default_model_path
 MODELS = os.path.expanduser("~/.cache/freetoken-models")
 STEM = "smollm2-135m"
 DEFAULT_TYPES = ["Q2_K", "Q3_K_M", "IQ4_XS", "IQ4_NL", "Q4_K_M"]
-# the configuration of compare_peers.build_llama_server, for a build folder not there yet
-NO_AMX = "-mno-amx-int8 -mno-amx-tile"
-CONFIGURE = ["-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_C_FLAGS={NO_AMX}",
-             f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,23 +161,6 @@ def check_f32(src: GGUFReader, path: str) -> None:
 # llama-quantize
 # ---------------------------------------------------------------------------------------------
 
-def llama_cpp_tree() -> tuple[str, str]:
-    """(version, llama.cpp source folder) of the llama-cpp-python sdist in CACHE; downloaded and
-    unpacked as compare_peers.build_llama_server does where missing."""
-    src = os.path.join(CACHE, "src")
-    os.makedirs(src, exist_ok=True)
-    if not glob.glob(os.path.join(src, "llama_cpp_python-*.tar.gz")):
-        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            "llama-cpp-python", "-d", src])
-    sdist = sorted(glob.glob(os.path.join(src, "llama_cpp_python-*.tar.gz")))[-1]
-    ver = os.path.basename(sdist)[len("llama_cpp_python-"):-len(".tar.gz")]
-    tree = os.path.join(src, f"llama_cpp_python-{ver}")
-    if not os.path.isdir(tree):
-        with tarfile.open(sdist) as t:
-            t.extractall(src, filter="data")
-    return ver, os.path.join(tree, "vendor", "llama.cpp")
-
-
 def has_target(build: str, target: str) -> bool:
     p = subprocess.run(["cmake", "--build", build, "--target", "help"], capture_output=True,
                        text=True)
@@ -201,7 +176,7 @@ def build_llama_quantize(jobs: int) -> str:
         return exe
     if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
         log(f"no build folder {build}: configuring it as compare_peers.py does")
-        sh(["nice", "-n", "19", "cmake", "-S", llama, "-B", build, *CONFIGURE])
+        sh(["nice", "-n", "19", "cmake", "-S", llama, "-B", build, *LLAMA_CMAKE_FLAGS])
     if not has_target(build, "llama-quantize"):
         # tools/quantize is added by tools/CMakeLists.txt, which only LLAMA_BUILD_TOOLS adds
         log(f"{build} has no llama-quantize target: reconfiguring with LLAMA_BUILD_TOOLS=ON")
