@@ -322,8 +322,8 @@ FT_TARGET_AMX FT_INLINE void scaled_step(const uint8_t* unit, int32_t c, const A
                             _mm512_slli_epi32(_mm512_load_si512(hi + m * kPanel), 8));
   const int64_t units = x.K / 256;
   if constexpr (kKinds[KIND].scales == kK4 && kKinds[KIND].group == 16) {
-    // Q2_K's mins read x's sums of 16, which Acts::sd does not hold (its rows are padded to
-    // whole tiles, as Acts::qa_rows)
+    // Q2_K's mins read x's sums of 16, which Acts::sd does not hold: from the row arrays, whose
+    // d and s16 hold whole tiles of 16 rows (empty_acts in int8_linear.cpp)
     superblock_step<MR, KIND, true>(unit, c, RowsX(x, m0, u, false), I, out);
   } else {
     const PackedRowsX rows{x.sd + ((m0 / kRows * units + u) * kRows + m0 % kRows) * kSdRowBytes};

@@ -237,7 +237,8 @@ constexpr Format kFormats[] = {
     {"Q5_1", 32, 24, kByte32Min, 0, &split_q5_1}, {"Q4_K", 256, 144, kNibK4, 0, &split_q4_k},
     {"Q5_K", 256, 176, kByteK4, 0, &split_q5_k},  {"Q6_K", 256, 210, kSixK6, 32, &split_q6_k},
     {"Q2_K", 256, 84, kTwoK4, 0, &split_q2_k},    {"Q3_K", 256, 110, kThreeK6, 4, &split_q3_k},
-    {"IQ4_NL", 32, 18, kLut32, 128, &split_iq4_nl}, {"IQ4_XS", 256, 136, kLutK6, 128, &split_iq4_xs},
+    {"IQ4_NL", 32, 18, kLut32, 128, &split_iq4_nl},
+    {"IQ4_XS", 256, 136, kLutK6, 128, &split_iq4_xs},
 };
 constexpr int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 

@@ -29,10 +29,10 @@
 //      P   = sum_{k in g} u[n, k] * q[m, k] - c * S_g                       (int32)
 //      acc = acc + float(P) * (a[n, g] * d)
 //      acc = acc + b[n, g] * (d * float(S_g))                             (formats with a min)
-//  * Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS (x per 256, as llama.cpp's Q8_K: one d a superblock, so its groups' sums
-//    combine in integer), with the superblock's fp16 d[n] (and dmin[n]) and its groups' integer
-//    scales sc[n, g] (and mins mn[n, g]), a = d * sc and b = -(dmin * mn), in increasing
-//    superblock order:
+//  * Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS (x per 256, as llama.cpp's Q8_K: one d a superblock,
+//    so its groups' sums combine in integer), with the superblock's fp16 d[n] (and dmin[n])
+//    and its groups' integer scales sc[n, g] (and mins mn[n, g]), a = d * sc and
+//    b = -(dmin * mn), in increasing superblock order:
 //      I   = sum_g sc[n, g] * sum_{k in g} u[n, k] * q[m, k]                (int32)
 //      with a min:  T = sum_g mn[n, g] * S_g;   else:  I = I - c * sum_g sc[n, g] * S_g
 //      acc = acc + float(I) * (d[n] * d)

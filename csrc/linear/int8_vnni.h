@@ -175,9 +175,9 @@ struct PackedRowsX {
 // A K-quant superblock's fp32 step for MR rows (x's at rows, see RowsX), superblock unit, after
 // its groups' integer sum I[m] = sum_g sc[g] * (codes . x) (no offset): the second integer sum
 // (Q4_K / Q5_K / Q2_K the mins times x's group sums; Q6_K / Q3_K / IQ4_XS c times its scales
-// times them, the offset), then acc_out [MR][16] (L1) += the superblock's fp32 terms. OFFSET_IN_I: Q6_K's I[m]
-// already holds sum_g sc[g] * ((codes - c) . x) (the AMX loop's scaled codes), the same int32
-// as I - S.
+// times them, the offset), then acc_out [MR][16] (L1) += the superblock's fp32 terms.
+// OFFSET_IN_I: an offset kind's I[m] already holds sum_g sc[g] * ((codes - c) . x) (the AMX
+// loop's scaled codes), the same int32 as I - S.
 // NOTE: x's rows through locals (rows), not Acts& x: a vector store may alias x's fields, so GCC
 // read them again for every row (AMX 224-row Q4_K 8192 x 2048: 0.91-0.97x the time without).
 template <int MR, int KIND, bool OFFSET_IN_I = false, typename Rows>
