@@ -40,7 +40,8 @@ if sys.argv[7] == "no-amx":  # the VNNI loop on an AMX host
 if sys.argv[8] != "auto":  # another ISA variant's loops (e.g. AVX2 on an AVX-512 host)
     ops.configure(cpu_isa=sys.argv[8])
 # values and bytes a block, and where its fp16 scales lie (each set to 2^-7)
-values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
+values, src, halves = {"Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)),
+                       "Q5_0": (32, 22, (0,)), "IQ4_NL": (32, 18, (0,)),
                        "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
                        "Q6_K": (256, 210, (208,))}[typ]
 g = torch.Generator().manual_seed(0)
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
     ap.add_argument("trees", nargs="+", help="LABEL=PATH, the first is the baseline")
-    ap.add_argument("--type", default="Q8_0", choices=["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+    ap.add_argument("--type", default="Q8_0", choices=["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL",
+                                                       "Q4_K", "Q5_K", "Q6_K"])
     ap.add_argument("--form", default="panels", choices=["panels", "int8", "gguf"],
                     help="GGUF-block panels (Q4_1 / Q8_0), the int8 mode's matrix or the "
                          "blocks in place")

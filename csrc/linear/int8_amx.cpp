@@ -9,7 +9,8 @@
 // the steps.
 //
 // 32-value formats (rows_amx): one tile product a group (tdpbsud: 16 rows of x by the group's
-// codes), its sums stored and stepped in fp32 (the group's scale is an fp16). K-quants
+// codes; tdpbssd by the codes less their offset where the format has no min), its sums stored
+// and stepped in fp32 (the group's scale is an fp16). K-quants
 // (panels_amx_k): a group's integer scale goes into its codes once a call (widen_group, as two
 // byte planes), so a superblock's 256 values are 4 x 2 full tile products into sums that stay
 // in the tiles, and the vector pipes see one store a superblock instead of one a group and no
@@ -72,29 +73,53 @@ FT_TARGET_AMX void load_config(const TileConfig& c) {
   asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
 }
 
-// A 32-value panel's codes as tdpbsud's B operands, group after group (8 rows of 64 bytes, row
-// r: codes 4r..4r+3 of each output): byte codes are read in place (b_tile), 4-bit codes are
-// widened into buf (group u's tile at buf + u * 512), once a call.
+// A 32-value format without a min (Q4_0, Q5_0, Q8_0, IQ4_NL) takes its codes less its offset c,
+// as signed bytes (tdpbssd): the group's sums are then P - c * S, and its steps take no c * S a
+// row (the same int32, so the same bits).
+// NOTE: the steps hold this loop, not the tiles; without the scalar c * S and its broadcast a row
+// and group, a 1B-shaped 8192 x 2048 at 224 rows took Q8_0 0.83x / 0.80x the time (two threads /
+// one), Q4_0 0.87x / 0.94x, IQ4_NL 0.92x / 0.92x; Q5_0 at 64 rows 0.81x / 0.89x; Q8_0 at 32 rows
+// (its codes now copied once a call, not read in place) 0.99x / 0.74x.
+template <int KIND>
+constexpr bool offset_in_codes() {
+  return kKinds[KIND].unit == 32 && !has_min(KIND);
+}
+// Whether a 32-value panel's B tiles are its own bytes (Q5_1's), not widened into a buffer.
+template <int KIND>
+constexpr bool b_in_place() {
+  return kKinds[KIND].codes == kByte && !offset_in_codes<KIND>();
+}
+
+// A 32-value panel's codes as the tile products' B operands, group after group (8 rows of 64
+// bytes, row r: codes 4r..4r+3 of each output), widened into buf (group u's tile at buf + u *
+// 512) once a call: 4-bit codes unpacked (IQ4's looked up), less c where offset_in_codes.
 // NOTE: widened once for all the rows, not a group at a time: a tile load of bytes stored just
 // before waits for them to reach the cache (SmolLM2's Q4_1 at 224 rows: level with the VNNI
 // loop, then 1.3x).
 template <int KIND>
-FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, uint8_t* buf) {
-  constexpr bool lut = kKinds[KIND].codes == kLut;
-  static_assert(kKinds[KIND].unit == 32 && (kKinds[KIND].codes == kNib || lut));
+FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, int32_t c,
+                                         uint8_t* buf) {
+  static_assert(kKinds[KIND].unit == 32 && !b_in_place<KIND>());
   const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(offset_in_codes<KIND>() ? c : 0));
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* codes = data + u * unit_bytes(KIND);
     uint8_t* out = buf + u * 512;
+    if constexpr (kKinds[KIND].codes == kByte) {
+      for (int t = 0; t < 8; ++t)
+        _mm512_store_si512(out + 64 * t,
+                           _mm512_sub_epi8(_mm512_loadu_si512(codes + 64 * t), offset));
+      continue;
+    }
     for (int t = 0; t < 4; ++t) {  // the low nibbles are codes 4t.., the high ones 16 + 4t..
       const __m512i v = _mm512_loadu_si512(codes + 64 * t);
       __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (lut) {
+      if constexpr (kKinds[KIND].codes == kLut) {
         lo = _mm512_shuffle_epi8(iq4_codes512(), lo);
         hi = _mm512_shuffle_epi8(iq4_codes512(), hi);
       }
-      _mm512_store_si512(out + 64 * t, lo);
-      _mm512_store_si512(out + 256 + 64 * t, hi);
+      _mm512_store_si512(out + 64 * t, _mm512_sub_epi8(lo, offset));
+      _mm512_store_si512(out + 256 + 64 * t, _mm512_sub_epi8(hi, offset));
     }
   }
 }
@@ -102,24 +127,26 @@ FT_TARGET_AMX FT_INLINE void widen_codes(const uint8_t* data, int64_t units, uin
 // Group u's B tile (a 32-value panel).
 template <int KIND>
 FT_INLINE const uint8_t* b_tile(const uint8_t* data, const uint8_t* buf, int64_t u) {
-  if constexpr (kKinds[KIND].codes == kByte) return data + u * unit_bytes(KIND);
+  if constexpr (b_in_place<KIND>()) return data + u * unit_bytes(KIND);
   return buf + u * 512;
 }
 
 // One group's tile product for 16 rows of x (at xq, row stride K) against the codes tile b, on
-// tile set S (store_sums<S> then writes it out).
-template <int S>
+// tile set S (store_sums<S> then writes it out); SIGNED: b's codes are signed bytes.
+template <int S, bool SIGNED>
 FT_TARGET_AMX FT_INLINE void group_product(const uint8_t* b, const int8_t* xq, int64_t K) {
   if constexpr (S == 0) {
     FT_TILE_ZERO(0);
     FT_TILE_LOAD(2, xq, K);
     FT_TILE_LOAD(4, b, 64);
-    FT_TILE_DPBSUD(0, 2, 4);
+    if constexpr (SIGNED) FT_TILE_DPBSSD(0, 2, 4);
+    else FT_TILE_DPBSUD(0, 2, 4);
   } else {
     FT_TILE_ZERO(1);
     FT_TILE_LOAD(3, xq, K);
     FT_TILE_LOAD(5, b, 64);
-    FT_TILE_DPBSUD(1, 3, 5);
+    if constexpr (SIGNED) FT_TILE_DPBSSD(1, 3, 5);
+    else FT_TILE_DPBSUD(1, 3, 5);
   }
 }
 
@@ -191,12 +218,15 @@ FT_TARGET_AMX void rows_amx(const uint8_t* data, const uint8_t* buf, const Panel
   for (int m = 0; m < kRows; ++m) acc[m] = _mm512_setzero_ps();
   const int8_t* xq = x.q + m0 * x.K;
   for (int64_t u = 0; u <= units; ++u) {
-    if (u < units && u % 2 == 0) group_product<0>(b_tile<KIND>(data, buf, u), xq + 32 * u, x.K);
-    if (u < units && u % 2 == 1) group_product<1>(b_tile<KIND>(data, buf, u), xq + 32 * u, x.K);
+    constexpr bool SIGNED = offset_in_codes<KIND>();
+    const uint8_t* b = b_tile<KIND>(data, buf, u);
+    if (u < units && u % 2 == 0) group_product<0, SIGNED>(b, xq + 32 * u, x.K);
+    if (u < units && u % 2 == 1) group_product<1, SIGNED>(b, xq + 32 * u, x.K);
     if (u == 0) continue;
     if ((u - 1) % 2 == 0) stored_sums<0>(sums[0], P);
     else stored_sums<1>(sums[1], P);
-    group_step<kRows, KIND>(data + (u - 1) * unit_bytes(KIND), pi.c, x, m0, u - 1, P, acc);
+    group_step<kRows, KIND, SIGNED>(data + (u - 1) * unit_bytes(KIND), pi.c, x, m0, u - 1, P,
+                                    acc);
   }
   alignas(64) float out[kRows * kPanel];
   for (int m = 0; m < kRows; ++m) _mm512_store_ps(out + m * kPanel, acc[m]);
@@ -500,12 +530,12 @@ FT_TARGET_AMX void panel_amx(const uint8_t* data, const PanelInfo& pi, const Act
   if constexpr (ki.unit == 256) {
     panels_amx_k<KIND, 1>(data - pi.offset, &pi, x, whole, M, u0, u1, y, N, bias);
   } else if (u0 == 0) {
-    const size_t widened_bytes = ki.codes == kByte ? 0 : units * 512 + 64;
+    const size_t widened_bytes = b_in_place<KIND>() ? 0 : units * 512 + 64;
     thread_local std::vector<uint8_t> widened;
     if (widened.size() < widened_bytes) widened.resize(widened_bytes);
     uint8_t* buf = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
-    if constexpr (ki.codes != kByte) widen_codes<KIND>(data, units, buf);
+    if constexpr (!b_in_place<KIND>()) widen_codes<KIND>(data, units, pi.c, buf);
     for (int64_t m0 = 0; m0 < whole; m0 += kRows) rows_amx<KIND>(data, buf, pi, x, m0, y, N, bias);
   }
   if (whole >= M || u1 * 256 < x.K) return;

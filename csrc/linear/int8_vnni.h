@@ -103,9 +103,10 @@ FT_TARGET_VNNI FT_INLINE void low_bit_steps(const uint8_t* codes, __m512i (&v)[4
 }
 
 // A 32-value group's fp32 step for rows [m0, m0 + MR): P[m] = the group's codes . x's 32 at
-// group g32 (without the offset c, subtracted here), codes = the group's bytes in the panel.
+// group g32 (without the offset c, subtracted here; OFFSET_IN_P: with it, the AMX loop's signed
+// codes), codes = the group's bytes in the panel.
 //   acc = acc + float(P - c * S) * (a * d)        acc = acc + b * (d * float(S))  (a min)
-template <int MR, int KIND>
+template <int MR, int KIND, bool OFFSET_IN_P = false>
 FT_TARGET_VNNI FT_INLINE void group_step(const uint8_t* codes, int32_t c, const Acts& x,
                                          int64_t m0, int64_t g32, const __m512i (&P)[MR],
                                          __m512 (&acc)[MR]) {
@@ -117,7 +118,8 @@ FT_TARGET_VNNI FT_INLINE void group_step(const uint8_t* codes, int32_t c, const 
   for (int m = 0; m < MR; ++m) {
     const int64_t xb = (m0 + m) * ld32 + g32;
     __m512i p = P[m];
-    if constexpr (!has_min(KIND)) p = _mm512_sub_epi32(p, _mm512_set1_epi32(c * x.s32[xb]));
+    if constexpr (!has_min(KIND) && !OFFSET_IN_P)
+      p = _mm512_sub_epi32(p, _mm512_set1_epi32(c * x.s32[xb]));
     const __m512 t = no_contract512(_mm512_mul_ps(a, _mm512_set1_ps(x.d[xb])));
     acc[m] = _mm512_add_ps(
         acc[m], no_contract512(_mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, p), t)));

@@ -232,12 +232,14 @@ def unit_signs(m: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("type_", INT8_TYPES)
 def test_the_largest_sums_are_exact(isa, type_):
     """The integer sums at their bounds: every code at its largest (Q8_0: -128) against x
-    quantized to +-127 everywhere, in every row count the loops tile. The AVX2 loop sums several
-    steps' pairs in int16 before widening them; this is where they would overflow."""
+    quantized to +-127 everywhere, in every row count the loops tile (48 rows: where the CPU has
+    AMX-INT8, its tiles, as signed codes less their offset for the 32-value formats without a
+    min). The AVX2 loop sums several steps' pairs in int16 before widening them; this is where
+    they would overflow."""
     k = k_for(type_, 8 if block_of(type_) < 256 else 2)
     rows, _ = largest_codes(type_, k, seed=9)
     weight, _ = int8_matrix([(type_, rows)], k)
-    x = unit_signs(13, k)
+    x = unit_signs(48, k)
     y = ops.panel_linear(x, weight)
     np.testing.assert_array_equal(y.numpy(), reference(x.numpy(), weight, type_))
     assert y.abs().min() > 0  # not a cancelled sum: the bounds were reached
