@@ -614,7 +614,8 @@ FT_TARGET_AVX2 void panel_avx2(const uint8_t* data, const PanelInfo& pi, const A
   // 4-bit codes take 4 rows a tile, sharing each step's decode (Q4_K at 224 rows: 0.84x the
   // time of 2 rows); the wider codes keep 2, whose sums already fill the 16 registers, except
   // with AVX-VNNI (no int16 sums: 4 rows took Q6_K 0.86-0.92x the time of 2 at 8-224 rows, Q5_K
-  // at 8 rows 0.82-0.85x, level from 64).
+  // at 8 rows 0.82-0.85x, level from 64). The 2- and 3-bit codes (Q2_K, Q3_K) take 4 as the
+  // 4-bit ones do, their int16 sums widened once a group as well (not measured against 2).
   constexpr int kCodes = kKinds[KIND].codes;
   constexpr int kRows = kCodes == kNib || kCodes == kTwo || kCodes == kThree || DP ? 4 : 2;
   alignas(32) float acc[4 * kPanel];
